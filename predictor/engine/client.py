@@ -1,0 +1,52 @@
+"""The engine's face: the small Protocol every adapter depends on."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from predictor.errors import GenerationFailed
+from predictor.types import Completion, FinishReason, GenerateRequest, TokenEvent
+
+
+class EngineClient(Protocol):
+    def start(self) -> None:
+        """Start the step loop (called once the server's event loop runs)."""
+        ...
+
+    def stop(self) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Stream one request's events; the last has finish_reason set.
+
+        Raises InvalidRequest / Overloaded / EngineUnavailable before the first event.
+        Closing the iterator early aborts the request.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def health(self) -> bool:
+        """True while the step loop is alive and accepting work."""
+        ...
+
+    def running(self) -> int:
+        """Requests holding a batch row now."""
+        ...
+
+    def waiting(self) -> int:
+        """Requests waiting for a batch row now."""
+        ...
+
+
+async def complete(engine: EngineClient, request: GenerateRequest) -> Completion:
+    """Run one request to the end and collect its text (the unary endpoints' path)."""
+    parts: list[str] = []
+    async for event in engine.generate(request):
+        parts.append(event.text)
+        if event.final:
+            assert event.finish_reason is not None and event.usage is not None
+            if event.finish_reason is FinishReason.ERROR:
+                raise GenerationFailed(event.error or "generation failed")
+            return Completion(request.request_id, "".join(parts), event.finish_reason, event.usage)
+    raise GenerationFailed("the engine ended the request without a final event")

@@ -1,0 +1,88 @@
+"""LLMPredictor: the kserve.Model that serves V2 infer through the engine.
+
+An adapter: it parses with `codecs`, calls the engine, encodes; it maps our errors to KServe's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kserve import InferRequest, InferResponse, Model
+from kserve.errors import InferenceError, InvalidInput, ServerNotReady
+
+from predictor import codecs
+from predictor.engine.client import EngineClient, complete
+from predictor.errors import (
+    EngineUnavailable,
+    GenerationFailed,
+    InvalidRequest,
+    Overloaded,
+    PredictorError,
+)
+from predictor.types import GenerateRequest, TokenEvent
+
+
+def to_kserve_error(exc: PredictorError) -> Exception:
+    """Our errors as the KServe exceptions its REST handlers and gRPC interceptor understand."""
+    if isinstance(exc, InvalidRequest):
+        return InvalidInput(str(exc))
+    if isinstance(exc, Overloaded | EngineUnavailable):
+        return ServerNotReady(str(exc))
+    if isinstance(exc, GenerationFailed):
+        return InferenceError(str(exc))
+    return InferenceError(str(exc))
+
+
+class LLMPredictor(Model):
+    def __init__(self, name: str, llm: EngineClient, default_max_tokens: int) -> None:
+        super().__init__(name)
+        self.llm = llm
+        self.default_max_tokens = default_max_tokens
+        self.engine = True  # KServe awaits start_engine() on the server's event loop
+
+    def load(self) -> bool:
+        # The checkpoint is loaded before the server starts (see __main__); the model is
+        # ready once the engine can take requests.
+        self.ready = True
+        return self.ready
+
+    async def start_engine(self) -> None:
+        self.llm.start()
+
+    def stop_engine(self) -> None:
+        self.llm.stop()
+
+    async def healthy(self) -> bool:
+        return self.llm.health()
+
+    def get_input_types(self) -> list[dict[str, Any]]:
+        return [{"name": codecs.TEXT_INPUT, "datatype": "BYTES", "shape": [-1]}]
+
+    def get_output_types(self) -> list[dict[str, Any]]:
+        return [{"name": codecs.TEXT_OUTPUT, "datatype": "BYTES", "shape": [-1]}]
+
+    async def predict(  # type: ignore[override]
+        self,
+        payload: InferRequest,
+        headers: dict[str, str] | None = None,
+        response_headers: dict[str, str] | None = None,
+    ) -> InferResponse:
+        if not isinstance(payload, InferRequest):
+            raise InvalidInput("expected a V2 inference request")
+        try:
+            requests = codecs.decode_infer_request(payload, self.default_max_tokens)
+            completions = await asyncio.gather(*(complete(self.llm, r) for r in requests))
+        except PredictorError as exc:
+            raise to_kserve_error(exc) from exc
+        return codecs.encode_infer_response(payload, self.name, list(completions))
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Token events of one request; closing the iterator early aborts the request."""
+        events = self.llm.generate(request)
+        try:
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]

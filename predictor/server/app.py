@@ -1,0 +1,139 @@
+"""PredictorServer: KServe's ModelServer, bound to our host, with our REST and gRPC additions."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import APIRouter
+from kserve import ModelServer
+from kserve.constants.constants import FASTAPI_APP_IMPORT_STRING
+from kserve.model import BaseKServeModel
+from kserve.model_server import app as kserve_app
+from kserve.protocol.grpc.server import GRPCServer
+from kserve.protocol.rest.server import RESTServer
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+
+class DefaultJSONContentType:
+    """Treat an untyped POST body as JSON.
+
+    tritonclient.http posts JSON without a Content-Type and `curl -d` labels it
+    application/x-www-form-urlencoded; KServe reads both as the binary tensor extension and
+    refuses them. A body that uses the binary extension says so with its own header.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = scope["headers"]
+            names = {name: value for name, value in headers}
+            untyped = names.get(b"content-type", b"application/x-www-form-urlencoded")
+            if (
+                untyped.startswith(b"application/x-www-form-urlencoded")
+                and b"inference-header-content-length" not in names
+            ):
+                kept = [(n, v) for n, v in headers if n != b"content-type"]
+                scope = dict(scope, headers=[*kept, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
+class PredictorGRPCServer(GRPCServer):
+    """KServe's gRPC server on our host, with extra generic handlers on the same port."""
+
+    def __init__(self, host: str, handlers: Sequence[Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._host = host
+        self._handlers = list(handlers)
+
+    async def start(self, max_workers: int) -> None:
+        from concurrent import futures
+
+        from grpc import aio
+        from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc
+        from kserve.protocol.grpc.interceptors import (
+            ExceptionToStatusInterceptor,
+            LoggingInterceptor,
+        )
+        from kserve.protocol.grpc.servicer import InferenceServicer
+
+        servicer = InferenceServicer(self._data_plane, self._model_repository_extension)
+        self._server = aio.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            interceptors=(LoggingInterceptor(), ExceptionToStatusInterceptor()),
+            options=[
+                ("grpc.max_send_message_length", self._kwargs.get("grpc_max_send_message_length")),
+                (
+                    "grpc.max_receive_message_length",
+                    self._kwargs.get("grpc_max_receive_message_length"),
+                ),
+            ],
+        )
+        grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
+        if self._handlers:
+            self._server.add_generic_rpc_handlers(tuple(self._handlers))
+        self._server.add_insecure_port(f"{self._host}:{self._port}")
+        await self._server.start()
+        await self._server.wait_for_termination()
+
+
+class PredictorServer(ModelServer):
+    def __init__(
+        self,
+        host: str,
+        http_port: int,
+        grpc_port: int,
+        enable_grpc: bool = True,
+        routers: Sequence[APIRouter] = (),
+        grpc_handlers: Sequence[Any] = (),
+        grace_period: int = 30,
+    ) -> None:
+        super().__init__(
+            http_port=http_port,
+            grpc_port=grpc_port,
+            workers=1,  # one engine per process: scale with replicas, not workers
+            enable_grpc=enable_grpc,
+            grace_period=grace_period,
+        )
+        self.host = host
+        self._routers = list(routers)
+        self._grpc_handlers = list(grpc_handlers)
+
+    def start(self, models: list[BaseKServeModel]) -> None:
+        self._register_and_check_atleast_one_model_is_ready(models)
+        kserve_app.add_middleware(DefaultJSONContentType)
+        for router in self._routers:
+            kserve_app.include_router(router)
+        self._rest_server = RESTServer(
+            FASTAPI_APP_IMPORT_STRING,
+            self.dataplane,
+            self.model_repository_extension,
+            self.http_port,
+            access_log_format=self.access_log_format,
+            workers=1,
+            grace_period=self.grace_period,
+            event_loop=self.event_loop,
+            timeout_keep_alive=self.timeout_keep_alive,
+        )
+        self._rest_server.config.host = self.host
+        self.servers.append(self._rest_server.start())
+        if self.enable_grpc:
+            self._grpc_server = PredictorGRPCServer(
+                self.host,
+                self._grpc_handlers,
+                self.grpc_port,
+                self.dataplane,
+                self.model_repository_extension,
+                kwargs={
+                    "grpc_max_send_message_length": 64 * 1024 * 1024,
+                    "grpc_max_receive_message_length": 64 * 1024 * 1024,
+                },
+                grace_period=self.grace_period,
+            )
+            self.servers.append(self._grpc_server.start(self.max_threads))
+        self.setup_event_loop()
+        self.register_signal_handler()
+        asyncio.run(self._serve())

