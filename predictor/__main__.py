@@ -62,7 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     predictor.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",
-        settings.served_model_name, settings.model_dir, loaded.device, loaded.kernel,
+        settings.served_model_name,
+        settings.model_dir,
+        loaded.device,
+        loaded.kernel,
         settings.torch_threads,
     )
     server = PredictorServer(

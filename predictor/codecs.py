@@ -87,7 +87,9 @@ def _stop(params: Mapping[str, Any]) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise InvalidRequest("parameter 'stop' must be a string or a list of strings")
     if len(value) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"parameter 'stop' has {len(value)} strings; at most {MAX_STOP_STRINGS}")
+        raise InvalidRequest(
+            f"parameter 'stop' has {len(value)} strings; at most {MAX_STOP_STRINGS}"
+        )
     if any(len(s) > MAX_STOP_LENGTH for s in value):
         raise InvalidRequest(f"each stop string must be at most {MAX_STOP_LENGTH} characters")
     if any(s == "" for s in value):
@@ -148,7 +150,9 @@ def decode_infer_request(request: InferRequest, default_max_tokens: int) -> list
         raise InvalidRequest(f"input '{TEXT_INPUT}' is missing")
     tensor = inputs[0]
     if tensor.datatype != "BYTES":
-        raise InvalidRequest(f"input '{TEXT_INPUT}' must have datatype BYTES, got {tensor.datatype}")
+        raise InvalidRequest(
+            f"input '{TEXT_INPUT}' must have datatype BYTES, got {tensor.datatype}"
+        )
     try:
         values = tensor.as_numpy().reshape(-1).tolist()
     except InvalidRequest:

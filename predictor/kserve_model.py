@@ -63,7 +63,7 @@ class LLMPredictor(Model):
     def get_output_types(self) -> list[dict[str, Any]]:
         return [{"name": codecs.TEXT_OUTPUT, "datatype": "BYTES", "shape": [-1]}]
 
-    async def predict(  # type: ignore[override]
+    async def predict(
         self,
         payload: InferRequest,
         headers: dict[str, str] | None = None,

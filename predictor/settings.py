@@ -106,7 +106,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         if env_name in env:
             default = convert(env[env_name])
         parser.add_argument(
-            flag, dest=f.name, type=convert, default=default,
+            flag,
+            dest=f.name,
+            type=convert,
+            default=default,
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
     return parser

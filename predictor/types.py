@@ -1,4 +1,4 @@
-"""Plain data shared by the engine and every adapter: requests, sampling parameters, token events."""
+"""Plain data shared by the engine and every adapter: requests, sampling, token events."""
 
 from __future__ import annotations
 

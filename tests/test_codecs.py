@@ -10,21 +10,40 @@ from predictor.errors import InvalidRequest
 from predictor.types import Completion, FinishReason, Usage
 
 
-def _request(data: list[str], parameters: dict | None = None, datatype: str = "BYTES") -> InferRequest:
+def _request(
+    data: list[str], parameters: dict | None = None, datatype: str = "BYTES"
+) -> InferRequest:
     inp = InferInput(name="text_input", shape=[len(data)], datatype=datatype, data=data)
     return InferRequest(model_name="m", infer_inputs=[inp], request_id="r", parameters=parameters)
 
 
 def test_rest_parameters() -> None:
     reqs = codecs.decode_infer_request(
-        _request(["a", "b"], {"max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3,
-                              "seed": 7, "stop": ["\n"], "chat": True}),  # fmt: skip
+        _request(
+            ["a", "b"],
+            {
+                "max_tokens": 5,
+                "temperature": 0.5,
+                "top_p": 0.9,
+                "top_k": 3,
+                "seed": 7,
+                "stop": ["\n"],
+                "chat": True,
+            },
+        ),  # fmt: skip
         default_max_tokens=64,
     )
     assert [r.prompt for r in reqs] == ["a", "b"]
     assert [r.request_id for r in reqs] == ["r-0", "r-1"]
     p = reqs[0].params
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (5, 0.5, 0.9, 3, 7, ("\n",))
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (
+        5,
+        0.5,
+        0.9,
+        3,
+        7,
+        ("\n",),
+    )
     assert reqs[0].chat is True
 
 
@@ -37,7 +56,7 @@ def test_grpc_parameter_map() -> None:
     msg.parameters["chat"].bool_param = True
     msg.parameters["stop"].string_param = '["x", "y"]'
     tensor = msg.inputs.add(name="text_input", datatype="BYTES", shape=[1])
-    tensor.contents.bytes_contents.append("hi".encode())
+    tensor.contents.bytes_contents.append(b"hi")
     (req,) = codecs.decode_infer_request(InferRequest.from_grpc(msg), default_max_tokens=64)
     assert req.prompt == "hi" and req.chat
     assert req.params.max_tokens == 4 and req.params.temperature == 0.25
@@ -79,9 +98,15 @@ def test_response_rest_and_grpc() -> None:
     rest = codecs.encode_infer_response(_request(["a"]), "m", done)
     body, _ = rest.to_rest()
     assert body["outputs"][0]["data"] == ["héllo"]
-    assert body["parameters"] == {"prompt_tokens": 3, "generated_tokens": 4, "finish_reason": "length"}
+    assert body["parameters"] == {
+        "prompt_tokens": 3,
+        "generated_tokens": 4,
+        "finish_reason": "length",
+    }
     msg = pb.ModelInferRequest(model_name="m", id="g")
-    msg.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"a")
+    msg.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
+        b"a"
+    )
     grpc_response = codecs.encode_infer_response(InferRequest.from_grpc(msg), "m", done).to_grpc()
     assert len(grpc_response.raw_output_contents) == 1
     from kserve.protocol.infer_type import deserialize_bytes_tensor

@@ -7,6 +7,7 @@ Events cross from the step loop thread to the event loop in one place only: the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -98,10 +99,9 @@ class AsyncEngine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
         def sink(event: TokenEvent) -> None:  # runs on the step loop thread
-            try:
+            # a closed event loop raises RuntimeError: nobody is listening any more
+            with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
 
         timeout = request.timeout if request.timeout is not None else self._default_timeout
         seq = EngineSequence(

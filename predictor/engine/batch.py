@@ -41,12 +41,18 @@ class Sequence:
     def emit(self, text: str, token_ids: tuple[int, ...] = ()) -> None:
         self.sink(TokenEvent(self.request_id, text, token_ids))
 
-    def finish(self, reason: FinishReason, text: str = "", error: str | None = None) -> None:
+    def finish(
+        self,
+        reason: FinishReason,
+        text: str = "",
+        error: str | None = None,
+        token_ids: tuple[int, ...] = (),
+    ) -> None:
         """Send the final event (once)."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
-        self.sink(TokenEvent(self.request_id, text, (), reason, self.usage, error))
+        self.sink(TokenEvent(self.request_id, text, token_ids, reason, self.usage, error))
 
 
 class Batch:

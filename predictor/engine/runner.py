@@ -83,7 +83,7 @@ class ModelRunner:
         first_used = int(mask.any(dim=0).long().argmax().item())
         self._mask = mask[:, first_used:]
         self._positions = self._positions.index_select(0, index)
-        for layer in self._cache.layers:
+        for layer in _layers(self._cache):
             layer.keys = layer.keys.index_select(0, index)[:, :, first_used:]
             layer.values = layer.values.index_select(0, index)[:, :, first_used:]
 
@@ -100,7 +100,7 @@ class ModelRunner:
             [F.pad(self._mask, (width - old_width, 0)), F.pad(mask, (width - new_width, 0))]
         )
         self._positions = torch.cat([self._positions, positions])
-        for old, new in zip(self._cache.layers, cache.layers, strict=True):
+        for old, new in zip(_layers(self._cache), _layers(cache), strict=True):
             # keys/values: [B, H, T, D]; pad T on the left
             old.keys = torch.cat(
                 [_pad_left(old.keys, width - old_width), _pad_left(new.keys, width - new_width)]
@@ -108,6 +108,11 @@ class ModelRunner:
             old.values = torch.cat(
                 [_pad_left(old.values, width - old_width), _pad_left(new.values, width - new_width)]
             )
+
+
+def _layers(cache: DynamicCache) -> list[Any]:
+    """The cache's per-layer key/value holders (each has .keys and .values: [B, H, T, D])."""
+    return list(cache.layers)
 
 
 def _pad_left(kv: torch.Tensor, columns: int) -> torch.Tensor:

@@ -150,16 +150,17 @@ class StepLoop:
 
     def _advance(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
+        ids = (token,)
         if token in self._eos_ids:
-            seq.finish(FinishReason.EOS, seq.detokenizer.flush())
+            seq.finish(FinishReason.EOS, seq.detokenizer.flush(), token_ids=ids)
             return
         text = seq.detokenizer.push(token)
         if seq.detokenizer.stopped:
-            seq.finish(FinishReason.STOP, text)
+            seq.finish(FinishReason.STOP, text, token_ids=ids)
         elif len(seq.output_ids) >= seq.params.max_tokens:
-            seq.finish(FinishReason.LENGTH, text + seq.detokenizer.flush())
+            seq.finish(FinishReason.LENGTH, text + seq.detokenizer.flush(), token_ids=ids)
         else:
-            seq.emit(text, (token,))
+            seq.emit(text, ids)
 
     def _compact(self) -> None:
         kept = self.batch.remove_finished()

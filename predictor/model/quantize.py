@@ -57,7 +57,9 @@ def export_gguf_to_fp32(folder: Path, gguf_file: str, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=gguf_file, dtype=torch.float32
+    )
     # The weights are plain tensors now; drop the GGUF marker so the model can be saved.
     model.hf_quantizer = None
     model.is_quantized = False
@@ -190,9 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument(
-        "--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface"
-    )
+    parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
     prepare_environment(os.environ, args.hf_home, args.threads)
     import torch

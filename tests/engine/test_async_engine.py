@@ -1,0 +1,132 @@
+"""AsyncEngine with its real step-loop thread on the tiny dense model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from predictor.engine.async_engine import AsyncEngine
+from predictor.engine.client import complete
+from predictor.errors import EngineUnavailable, InvalidRequest, Overloaded
+from predictor.types import FinishReason, GenerateRequest, SamplingParams
+from tests.engine.conftest import Tiny, new_loop
+from tests.engine.test_step_loop import reference_greedy
+
+
+@contextlib.contextmanager
+def running_engine(
+    tiny: Tiny, max_batch_size: int = 8, max_waiting: int = 64
+) -> Iterator[AsyncEngine]:
+    loop = new_loop(tiny.runner(), frozenset(), max_batch_size=max_batch_size)
+    loop.scheduler.max_waiting = max_waiting
+    engine = AsyncEngine(loop, tiny.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        engine.stop()
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def request(tiny: Tiny, ids: list[int], n: int, rid: str = "r") -> GenerateRequest:
+    # decode/encode round trips are not exact for random ids: pass text that encodes to ids
+    return GenerateRequest(rid, tiny.tokenizer.decode(ids), SamplingParams(max_tokens=n))
+
+
+async def test_concurrent_requests_match_generate(tiny_dense: Tiny) -> None:
+    texts = ["The quick brown fox", "Once upon a time", "1, 2, 3,", "Hello", "A B C D E F G"]
+    with running_engine(tiny_dense, max_batch_size=3) as engine:
+
+        async def one(i: int, text: str) -> tuple[list[int], list[int]]:
+            await asyncio.sleep(0.05 * i)  # staggered arrivals
+            ids: list[int] = []
+            req = GenerateRequest(f"c{i}", text, SamplingParams(max_tokens=10 + i))
+            async for event in engine.generate(req):
+                ids.extend(event.token_ids)
+            return engine.encode_prompt(req), ids
+
+        results = await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
+    for i, (prompt_ids, ids) in enumerate(results):
+        assert ids == reference_greedy(tiny_dense, prompt_ids, 10 + i)
+
+
+async def test_closing_the_stream_aborts_the_request(tiny_dense: Tiny) -> None:
+    with running_engine(tiny_dense) as engine:
+        stream = engine.generate(
+            GenerateRequest("x", "Tell me a story", SamplingParams(max_tokens=64))
+        )
+        assert isinstance(stream, AsyncIterator)
+        await stream.__anext__()
+        await stream.__anext__()
+        assert engine.running() == 1
+        await stream.aclose()  # type: ignore[attr-defined]
+        await wait_for(lambda: engine.running() == 0)
+
+
+async def test_cancelled_task_aborts_the_request(tiny_dense: Tiny) -> None:
+    with running_engine(tiny_dense) as engine:
+        seen = asyncio.Event()
+
+        async def consume() -> None:
+            req = GenerateRequest("y", "Tell me a story", SamplingParams(max_tokens=64))
+            async for _ in engine.generate(req):
+                seen.set()
+
+        tasks = [asyncio.create_task(consume()) for _ in range(4)]
+        await seen.wait()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_for(lambda: engine.running() == 0 and engine.waiting() == 0)
+
+
+async def test_abort_by_id(tiny_dense: Tiny) -> None:
+    with running_engine(tiny_dense) as engine:
+        stream = engine.generate(GenerateRequest("z", "Count", SamplingParams(max_tokens=64)))
+        await stream.__anext__()
+        await engine.abort("z")
+        reasons = [e.finish_reason async for e in stream if e.final]
+        assert reasons == [FinishReason.CANCELLED]
+        await wait_for(lambda: engine.running() == 0)
+
+
+async def test_bad_requests_fail_before_the_first_event(tiny_dense: Tiny) -> None:
+    with running_engine(tiny_dense) as engine:
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            await complete(engine, GenerateRequest("a", "hi", SamplingParams(max_tokens=65)))
+        with pytest.raises(InvalidRequest, match="limit is 100 tokens"):
+            await complete(engine, GenerateRequest("b", "word " * 300, SamplingParams()))
+        ok = await complete(engine, GenerateRequest("c", "hi", SamplingParams(max_tokens=3)))
+        assert ok.usage.generated_tokens == 3 and ok.finish_reason is FinishReason.LENGTH
+
+
+async def test_full_queue_is_refused_at_once(tiny_dense: Tiny) -> None:
+    with running_engine(tiny_dense, max_batch_size=1, max_waiting=1) as engine:
+        long = [engine.generate(GenerateRequest(f"l{i}", "Go on", SamplingParams(max_tokens=64)))
+                for i in range(2)]  # fmt: skip
+        await long[0].__anext__()  # holds the only row
+        waiting = asyncio.create_task(long[1].__anext__())  # holds the only waiting place
+        await wait_for(lambda: engine.waiting() == 1)
+        with pytest.raises(Overloaded):
+            await complete(engine, GenerateRequest("o", "hi", SamplingParams(max_tokens=2)))
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        for stream in long:
+            await stream.aclose()  # type: ignore[attr-defined]
+        await wait_for(lambda: engine.running() == 0 and engine.waiting() == 0)
+
+
+async def test_stopped_engine_refuses(tiny_dense: Tiny) -> None:
+    with running_engine(tiny_dense) as engine:
+        pass
+    with pytest.raises(EngineUnavailable):
+        await complete(engine, GenerateRequest("s", "hi", SamplingParams(max_tokens=2)))

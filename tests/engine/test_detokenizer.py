@@ -1,0 +1,57 @@
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer
+
+from predictor.engine.detokenizer import IncrementalDetokenizer
+
+
+class CharDecoder:
+    """One token per character: makes hold-back behaviour easy to see."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def feed(detok: IncrementalDetokenizer, text: str) -> list[str]:
+    pieces = [detok.push(ord(c)) for c in text]
+    if not detok.stopped:
+        pieces.append(detok.flush())
+    return pieces
+
+
+def test_stop_string_spanning_tokens_never_leaks() -> None:
+    detok = IncrementalDetokenizer(CharDecoder(), [], ["END"])
+    pieces = feed(detok, "abcENxENDzzz")
+    assert "".join(pieces) == "abcENx"
+    assert detok.stopped
+    # "EN" was held back until "x" showed it was not the start of "END"
+    assert pieces[3:6] == ["", "", "ENx"]
+
+
+def test_text_is_released_at_the_end_when_no_stop_follows() -> None:
+    detok = IncrementalDetokenizer(CharDecoder(), [], ["STOP"])
+    assert "".join(feed(detok, "xxST")) == "xxST"
+    assert not detok.stopped
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    detok = IncrementalDetokenizer(CharDecoder(), [], ["bc", "abcd"])
+    assert "".join(feed(detok, "zabcd")) == "za"
+
+
+def test_real_tokenizer_multibyte_and_stop(tokenizer_dir) -> None:  # type: ignore[no-untyped-def]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = "Crème brûlée 🙂 costs 5€.\n\nNext: 日本語"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, prompt, [])
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    # several byte-level tokens form one emoji: some pushes release nothing
+    assert any(p == "" for p in pieces[:-1])
+
+    detok = IncrementalDetokenizer(tokenizer, prompt, ["\n\nNext"])
+    pieces = [detok.push(i) for i in ids]
+    assert detok.stopped
+    assert "".join(pieces) == "Crème brûlée 🙂 costs 5€."

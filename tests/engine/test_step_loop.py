@@ -1,0 +1,218 @@
+"""The step loop on real tiny models, driven step by step so arrival patterns are exact."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from predictor.engine.runner import ModelRunner
+from predictor.types import FinishReason, SamplingParams
+from tests.engine.conftest import Collected, Tiny, drive, make_sequence, new_loop
+
+
+def reference_greedy(tiny: Tiny, prompt: list[int], n: int) -> list[int]:
+    """transformers' own generate, batch 1: what every row must reproduce."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = tiny.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, pad_token_id=tiny.pad_token_id,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(tiny: Tiny, count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = len(tiny.tokenizer)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(1, 40))] for _ in range(count)]
+
+
+NO_EOS: frozenset[int] = frozenset()
+
+
+def test_greedy_rows_equal_generate_under_staggered_arrivals(tiny_dense: Tiny) -> None:
+    ps = prompts(tiny_dense, 7)
+    lengths = [12, 30, 5, 20, 1, 25, 16]
+    loop = new_loop(tiny_dense.runner(), NO_EOS, max_batch_size=4)
+    arrivals: dict[int, list[Any]] = {}
+    sinks: list[Collected] = []
+    for i, (p, n) in enumerate(zip(ps, lengths, strict=True)):
+        seq, sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=n), f"r{i}")
+        arrivals.setdefault([0, 0, 3, 4, 4, 9, 15][i], []).append(seq)
+        sinks.append(sink)
+    drive(loop, arrivals, sinks)
+    for p, n, sink in zip(ps, lengths, sinks, strict=True):
+        assert sink.finish_reason is FinishReason.LENGTH
+        assert sink.token_ids == reference_greedy(tiny_dense, p, n)
+        assert sink.events[-1].usage is not None
+        assert sink.events[-1].usage.generated_tokens == n
+        assert sink.events[-1].usage.prompt_tokens == len(p)
+    assert len(loop.batch) == 0 and loop.runner.rows == 0  # type: ignore[attr-defined]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dense: Tiny) -> None:
+    ps = prompts(tiny_dense, 4, seed=5)
+    params = SamplingParams(max_tokens=15, temperature=0.9, top_p=0.95, top_k=50, seed=42)
+
+    alone_loop = new_loop(tiny_dense.runner(), NO_EOS)
+    seq, alone = make_sequence(tiny_dense.tokenizer, ps[0], params)
+    drive(alone_loop, {0: [seq]}, [alone])
+
+    loop = new_loop(tiny_dense.runner(), NO_EOS)
+    sinks, arrivals = [], {}
+    for i, p in enumerate(ps):
+        other = params if i == 0 else SamplingParams(max_tokens=9, temperature=1.0, seed=i)
+        s, sink = make_sequence(tiny_dense.tokenizer, p, other, f"r{i}")
+        arrivals.setdefault(0 if i < 2 else 2, []).append(s)
+        sinks.append(sink)
+    drive(loop, arrivals, sinks)
+    assert sinks[0].token_ids == alone.token_ids
+    assert sinks[0].text == alone.text
+
+
+def test_gptq_output_is_well_formed_and_repeatable(tiny_gptq: Any) -> None:
+    tiny = Tiny(tiny_gptq.model, tiny_gptq.tokenizer, tiny_gptq.eos_ids, tiny_gptq.pad_token_id)
+    ps = prompts(tiny, 5, seed=9)
+
+    def run() -> list[list[int]]:
+        loop = new_loop(ModelRunner(tiny.model, torch.device("cpu"), tiny.pad_token_id), NO_EOS)
+        sinks, arrivals = [], {}
+        for i, p in enumerate(ps):
+            s, sink = make_sequence(tiny.tokenizer, p, SamplingParams(max_tokens=8 + i), f"g{i}")
+            arrivals.setdefault(i * 2, []).append(s)
+            sinks.append(sink)
+        drive(loop, arrivals, sinks)
+        for i, sink in enumerate(sinks):
+            assert sink.finish_reason is FinishReason.LENGTH
+            assert len(sink.token_ids) == 8 + i
+            assert "\ufffd" not in sink.text
+        return [sink.token_ids for sink in sinks]
+
+    assert run() == run()
+
+
+class PoisonRows:
+    """A runner that turns the logits of chosen rows into NaN (a request gone bad)."""
+
+    def __init__(self, inner: ModelRunner, poisoned: set[int]) -> None:
+        self.inner, self.poisoned, self.device = inner, poisoned, inner.device
+        self.loop: Any = None
+
+    def _poison(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
+        for row, seq in enumerate(seqs):
+            if id(seq) in self.poisoned and len(seq.output_ids) >= 2:
+                logits[row] = float("nan")
+        return logits
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        return self.inner.prefill(prompts)
+
+    def decode(self, last: list[int]) -> torch.Tensor:
+        return self._poison(self.inner.decode(last).clone(), self.loop.batch.rows)
+
+    def keep(self, rows: list[int]) -> None:
+        self.inner.keep(rows)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def test_poisoned_request_fails_alone(tiny_dense: Tiny) -> None:
+    ps = prompts(tiny_dense, 3, seed=3)
+    seqs_sinks = [
+        make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=12), f"p{i}")
+        for i, p in enumerate(ps)
+    ]
+    bad = seqs_sinks[1][0]
+    runner = PoisonRows(tiny_dense.runner(), {id(bad)})
+    loop = new_loop(runner, NO_EOS)
+    runner.loop = loop
+    sinks = [s for _, s in seqs_sinks]
+    drive(loop, {0: [s for s, _ in seqs_sinks]}, sinks)
+    assert sinks[1].finish_reason is FinishReason.ERROR
+    assert "non-finite" in (sinks[1].events[-1].error or "")
+    for i in (0, 2):
+        assert sinks[i].finish_reason is FinishReason.LENGTH
+        assert sinks[i].token_ids == reference_greedy(tiny_dense, ps[i], 12)
+
+
+class FailOnce:
+    """A runner whose next decode raises: the whole batch fails, later requests are served."""
+
+    def __init__(self, inner: ModelRunner) -> None:
+        self.inner, self.device, self.armed = inner, inner.device, False
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        return self.inner.prefill(prompts)
+
+    def decode(self, last: list[int]) -> torch.Tensor:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("device lost")
+        return self.inner.decode(last)
+
+    def keep(self, rows: list[int]) -> None:
+        self.inner.keep(rows)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+
+def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_dense: Tiny) -> None:
+    ps = prompts(tiny_dense, 3, seed=4)
+    runner = FailOnce(tiny_dense.runner())
+    loop = new_loop(runner, NO_EOS)
+    first = [make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=10)) for p in ps[:2]]
+    for s, _ in first:
+        loop.scheduler.add(s)
+    loop.step()
+    runner.armed = True
+    loop.step()
+    for _, sink in first:
+        assert sink.finish_reason is FinishReason.ERROR
+        assert "device lost" in (sink.events[-1].error or "")
+    assert len(loop.batch) == 0
+    later, sink = make_sequence(tiny_dense.tokenizer, ps[2], SamplingParams(max_tokens=6))
+    drive(loop, {0: [later]}, [sink])
+    assert sink.token_ids == reference_greedy(tiny_dense, ps[2], 6)
+
+
+def test_abort_frees_the_row_at_the_next_step(tiny_dense: Tiny) -> None:
+    loop = new_loop(tiny_dense.runner(), NO_EOS)
+    pairs = [make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=50))
+             for p in prompts(tiny_dense, 2, seed=8)]  # fmt: skip
+    for s, _ in pairs:
+        loop.scheduler.add(s)
+    loop.step()
+    loop.step()
+    assert len(loop.batch) == 2
+    pairs[0][0].aborted = True
+    loop.step()
+    assert len(loop.batch) == 1 and loop.runner.rows == 1  # type: ignore[attr-defined]
+    assert pairs[0][1].finish_reason is FinishReason.CANCELLED
+    pairs[1][0].aborted = True
+    loop.step()
+    assert len(loop.batch) == 0 and loop.runner.rows == 0  # type: ignore[attr-defined]
+
+
+def test_eos_and_stop_strings(tiny_dense: Tiny) -> None:
+    p = prompts(tiny_dense, 1, seed=11)[0]
+    ref = reference_greedy(tiny_dense, p, 12)
+    # make the 4th generated token an end-of-sequence token
+    loop = new_loop(tiny_dense.runner(), frozenset({ref[3]}) - set(ref[:3]))
+    seq, sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=12))
+    drive(loop, {0: [seq]}, [sink])
+    if ref[3] not in ref[:3]:
+        assert sink.finish_reason is FinishReason.EOS
+        assert sink.token_ids == ref[:4]
+    # a stop string taken from the middle of the greedy text
+    full = tiny_dense.tokenizer.decode(ref)
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    loop = new_loop(tiny_dense.runner(), NO_EOS)
+    seq, sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=12, stop=(stop,)))
+    drive(loop, {0: [seq]}, [sink])
+    assert sink.finish_reason is FinishReason.STOP
+    assert sink.text == full[: full.find(stop)]
+    assert stop not in sink.text
