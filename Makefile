@@ -37,5 +37,8 @@ lint: install
 	$(BIN)/ruff format --check predictor tests load
 	$(BIN)/mypy
 
+proto: install
+	$(BIN)/python tools/gen_proto.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

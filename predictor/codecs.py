@@ -17,7 +17,14 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from kserve import InferOutput, InferRequest, InferResponse
 
 from predictor.errors import InvalidRequest
-from predictor.types import Completion, GenerateRequest, SamplingParams
+from predictor.types import (
+    Completion,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    TokenEvent,
+    Usage,
+)
 
 TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
@@ -199,5 +206,83 @@ def encode_infer_response(
         infer_outputs=[output],
         from_grpc=request.from_grpc,
         parameters=parameters,
+        use_binary_outputs=request.from_grpc,
+    )
+
+
+# -- OIP generate extension (JSON) ------------------------------------------------------------
+
+
+def decode_generate_request(body: Any, default_max_tokens: int) -> GenerateRequest:
+    """`{"id", "text_input", "parameters": {...}}` -> GenerateRequest."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    prompt = body.get(TEXT_INPUT)
+    if not isinstance(prompt, str):
+        raise InvalidRequest(f"'{TEXT_INPUT}' must be a string")
+    if not prompt:
+        raise InvalidRequest(f"'{TEXT_INPUT}' must not be empty")
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidRequest("'parameters' must be a JSON object")
+    request_id = body.get("id")
+    if request_id is not None and not isinstance(request_id, str | int):
+        raise InvalidRequest("'id' must be a string")
+    sampling = sampling_from_parameters(params, default_max_tokens)
+    chat, timeout = request_options(params)
+    rid = str(request_id) if request_id is not None else uuid.uuid4().hex
+    return GenerateRequest(rid, prompt, sampling, chat, timeout)
+
+
+def _details(finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
+    return {
+        "finish_reason": finish_reason.value,
+        "prompt_tokens": usage.prompt_tokens,
+        "generated_tokens": usage.generated_tokens,
+    }
+
+
+def generate_response(model_name: str, completion: Completion) -> dict[str, Any]:
+    return {
+        "id": completion.request_id,
+        "model_name": model_name,
+        "model_version": None,
+        "text_output": completion.text,
+        "details": _details(completion.finish_reason, completion.usage),
+    }
+
+
+def generate_stream_event(model_name: str, event: TokenEvent) -> dict[str, Any]:
+    """One SSE event: the new text only; the last event adds finish_reason and usage."""
+    out: dict[str, Any] = {
+        "id": event.request_id,
+        "model_name": model_name,
+        "model_version": None,
+        "text_output": event.text,
+    }
+    if event.final and event.finish_reason is not None and event.usage is not None:
+        out["finish_reason"] = event.finish_reason.value
+        out["details"] = _details(event.finish_reason, event.usage)
+    return out
+
+
+def infer_stream_response(
+    request: InferRequest, model_name: str, event: TokenEvent
+) -> InferResponse:
+    """A V2 response carrying one text delta; the last one has finish_reason and usage."""
+    output = InferOutput(name=TEXT_OUTPUT, shape=[1], datatype="BYTES")
+    if request.from_grpc:
+        output.set_data_from_numpy(np.array([event.text.encode()], dtype=np.object_))
+    else:
+        output.data = [event.text]
+    parameters: dict[str, Any] = {}
+    if event.final and event.finish_reason is not None and event.usage is not None:
+        parameters = _details(event.finish_reason, event.usage)
+    return InferResponse(
+        response_id=request.id or event.request_id,
+        model_name=model_name,
+        infer_outputs=[output],
+        from_grpc=request.from_grpc,
+        parameters=parameters or None,
         use_binary_outputs=request.from_grpc,
     )

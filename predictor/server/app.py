@@ -6,7 +6,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import APIRouter
 from kserve import ModelServer
 from kserve.constants.constants import FASTAPI_APP_IMPORT_STRING
 from kserve.model import BaseKServeModel
@@ -14,6 +13,9 @@ from kserve.model_server import app as kserve_app
 from kserve.protocol.grpc.server import GRPCServer
 from kserve.protocol.rest.server import RESTServer
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from predictor.server.grpc import stream_handler
+from predictor.server.rest import ServedModel, build_router
 
 
 class DefaultJSONContentType:
@@ -87,8 +89,6 @@ class PredictorServer(ModelServer):
         http_port: int,
         grpc_port: int,
         enable_grpc: bool = True,
-        routers: Sequence[APIRouter] = (),
-        grpc_handlers: Sequence[Any] = (),
         grace_period: int = 30,
     ) -> None:
         super().__init__(
@@ -99,14 +99,16 @@ class PredictorServer(ModelServer):
             grace_period=grace_period,
         )
         self.host = host
-        self._routers = list(routers)
-        self._grpc_handlers = list(grpc_handlers)
+
+    def served_model(self, name: str) -> ServedModel | None:
+        """The registered model of that name, if it is one of ours (it has an engine)."""
+        model = self.registered_models.get_model(name)
+        return model if isinstance(model, ServedModel) else None
 
     def start(self, models: list[BaseKServeModel]) -> None:
         self._register_and_check_atleast_one_model_is_ready(models)
         kserve_app.add_middleware(DefaultJSONContentType)
-        for router in self._routers:
-            kserve_app.include_router(router)
+        kserve_app.include_router(build_router(self.served_model))
         self._rest_server = RESTServer(
             FASTAPI_APP_IMPORT_STRING,
             self.dataplane,
@@ -123,7 +125,7 @@ class PredictorServer(ModelServer):
         if self.enable_grpc:
             self._grpc_server = PredictorGRPCServer(
                 self.host,
-                self._grpc_handlers,
+                [stream_handler(self.served_model)],
                 self.grpc_port,
                 self.dataplane,
                 self.model_repository_extension,

@@ -1,0 +1,124 @@
+"""Triton's `ModelStreamInfer`, served beside KServe's servicer on the same gRPC server.
+
+Several requests may share one stream; each runs concurrently and its responses carry its `id`.
+Every response has the bool parameter `triton_final_response`; a request that sets
+`triton_enable_empty_final_response` ends with an empty response flagged final. A bad request
+gets `error_message` and the stream stays open for the others. Cancelling the call aborts
+every request on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from kserve import InferRequest
+from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
+
+from predictor import codecs
+from predictor.errors import EngineUnavailable, InvalidRequest, PredictorError
+from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
+from predictor.server.rest import ModelMissing, Resolve
+from predictor.types import TokenEvent
+
+SERVICE = "inference.GRPCInferenceService"
+FINAL = "triton_final_response"
+EMPTY_FINAL = "triton_enable_empty_final_response"
+
+
+class StreamInferServicer:
+    def __init__(self, resolve: Resolve) -> None:
+        self._resolve = resolve
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[ModelStreamInferResponse]:
+        out: asyncio.Queue[ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def read() -> None:
+            async for request in requests:
+                task = asyncio.create_task(self._serve(request, out))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            while running:
+                await asyncio.gather(*list(running), return_exceptions=True)
+            await out.put(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (response := await out.get()) is not None:
+                yield response
+        finally:  # the call ended or was cancelled: abort whatever still runs
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(reader, *running, return_exceptions=True)
+
+    async def _serve(self, request: pb.ModelInferRequest, out: asyncio.Queue[Any]) -> None:
+        try:
+            model = self._resolve(request.model_name)
+            if model is None:
+                raise ModelMissing(f"Model with name {request.model_name} does not exist.")
+            if not model.ready or not model.llm.health():
+                raise EngineUnavailable(f"Model with name {request.model_name} is not ready.")
+            v2 = InferRequest.from_grpc(request)
+            (req, *more) = codecs.decode_infer_request(v2, model.default_max_tokens)
+            if more:
+                raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
+            empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
+            events = model.llm.generate(req)
+            try:
+                async for event in events:
+                    if event.error is not None:
+                        await out.put(error(request, event.error))
+                        return
+                    if event.text or event.final:
+                        final = event.final and not empty_final
+                        await out.put(token_response(v2, model.name, event, final))
+                    if event.final and empty_final:
+                        await out.put(empty_final_response(request, model.name))
+            finally:
+                await events.aclose()  # type: ignore[attr-defined]
+        except PredictorError as exc:
+            await out.put(error(request, str(exc)))
+
+
+def token_response(
+    v2: InferRequest, model_name: str, event: TokenEvent, final: bool
+) -> ModelStreamInferResponse:
+    response = codecs.infer_stream_response(v2, model_name, event).to_grpc()
+    response.parameters[FINAL].bool_param = final
+    return ModelStreamInferResponse(infer_response=response)
+
+
+def empty_final_response(
+    request: pb.ModelInferRequest, model_name: str
+) -> ModelStreamInferResponse:
+    response = pb.ModelInferResponse(id=request.id, model_name=model_name)
+    response.parameters[FINAL].bool_param = True
+    return ModelStreamInferResponse(infer_response=response)
+
+
+def error(request: pb.ModelInferRequest, message: str) -> ModelStreamInferResponse:
+    response = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
+    response.parameters[FINAL].bool_param = True
+    return ModelStreamInferResponse(error_message=message, infer_response=response)
+
+
+def stream_handler(resolve: Resolve) -> grpc.GenericRpcHandler:
+    servicer = StreamInferServicer(resolve)
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                servicer.model_stream_infer,
+                request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=ModelStreamInferResponse.SerializeToString,
+            )
+        },
+    )

@@ -1,0 +1,168 @@
+"""REST streaming surfaces: OIP `generate`, `generate_stream` (SSE) and V2 `infer_stream` (SSE).
+
+Thin: parse with `codecs`, call the engine once, encode. An error before the first byte is a
+JSON error with a status code; an error after it is an SSE event `{"error": ...}`, then the end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, runtime_checkable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from kserve import InferRequest
+from kserve.protocol.rest.v2_datamodels import InferenceRequest
+
+from predictor import codecs
+from predictor.engine.client import EngineClient, complete
+from predictor.errors import (
+    EngineUnavailable,
+    GenerationFailed,
+    InvalidRequest,
+    Overloaded,
+    PredictorError,
+)
+from predictor.types import GenerateRequest, TokenEvent
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+RETRY_AFTER_SECONDS = "1"
+
+
+@runtime_checkable
+class ServedModel(Protocol):
+    name: str
+    llm: EngineClient
+    default_max_tokens: int
+    ready: bool
+
+
+Resolve = Callable[[str], ServedModel | None]
+
+
+class ModelMissing(PredictorError):
+    pass
+
+
+def error_response(exc: PredictorError) -> JSONResponse:
+    status, headers = 500, {}
+    if isinstance(exc, InvalidRequest):
+        status = 400
+    elif isinstance(exc, ModelMissing):
+        status = 404
+    elif isinstance(exc, Overloaded):
+        status, headers = 429, {"Retry-After": RETRY_AFTER_SECONDS}
+    elif isinstance(exc, EngineUnavailable):
+        status = 503
+    elif isinstance(exc, GenerationFailed):
+        status = 500
+    return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+async def start_stream(
+    events: AsyncIterator[TokenEvent], encode: Callable[[TokenEvent], dict[str, Any]]
+) -> Response:
+    """Wait for the first event (errors before it are JSON errors), then stream as SSE."""
+    try:
+        first = await events.__anext__()
+    except PredictorError as exc:
+        await events.aclose()  # type: ignore[attr-defined]
+        return error_response(exc)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            event: TokenEvent | None = first
+            while event is not None:
+                if event.error is not None:
+                    yield sse({"error": event.error})
+                    return
+                if event.text or event.final:
+                    yield sse(encode(event))
+                if event.final:
+                    return
+                event = await anext(events, None)
+        except PredictorError as exc:
+            yield sse({"error": str(exc)})
+        finally:  # the client left or the stream ended: free the engine row
+            await events.aclose()  # type: ignore[attr-defined]
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def read_json(request: Request) -> Any:
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def build_router(resolve: Resolve) -> APIRouter:
+    router = APIRouter()
+
+    def model_for(name: str) -> ServedModel:
+        model = resolve(name)
+        if model is None:
+            raise ModelMissing(f"Model with name {name} does not exist.")
+        if not model.ready or not model.llm.health():
+            raise EngineUnavailable(f"Model with name {name} is not ready.")
+        return model
+
+    async def parse_generate(request: Request, name: str) -> tuple[ServedModel, GenerateRequest]:
+        model = model_for(name)
+        body = await read_json(request)
+        return model, codecs.decode_generate_request(body, model.default_max_tokens)
+
+    async def generate(request: Request, model_name: str) -> Response:
+        try:
+            model, req = await parse_generate(request, model_name)
+            completion = await complete(model.llm, req)
+        except PredictorError as exc:
+            return error_response(exc)
+        return JSONResponse(codecs.generate_response(model.name, completion))
+
+    async def generate_stream(request: Request, model_name: str) -> Response:
+        try:
+            model, req = await parse_generate(request, model_name)
+        except PredictorError as exc:
+            return error_response(exc)
+        return await start_stream(
+            model.llm.generate(req), lambda e: codecs.generate_stream_event(model.name, e)
+        )
+
+    async def infer_stream(request: Request, model_name: str) -> Response:
+        try:
+            model = model_for(model_name)
+            body = await read_json(request)
+            try:
+                v2 = InferRequest.from_inference_request(
+                    InferenceRequest.model_validate(body), model_name
+                )
+            except Exception as exc:  # pydantic's or KServe's own validation
+                raise InvalidRequest(f"not a V2 inference request: {exc}") from exc
+            (req, *more) = codecs.decode_infer_request(v2, model.default_max_tokens)
+            if more:
+                raise InvalidRequest("infer_stream takes one text_input element")
+        except PredictorError as exc:
+            return error_response(exc)
+
+        def encode(event: TokenEvent) -> dict[str, Any]:
+            body, _ = codecs.infer_stream_response(v2, model.name, event).to_rest()
+            assert isinstance(body, dict)
+            return body
+
+        return await start_stream(model.llm.generate(req), encode)
+
+    def route(path: str, endpoint: Callable[[Request, str], Awaitable[Response]]) -> None:
+        router.add_api_route(f"/v2/models/{{model_name}}/{path}", endpoint, methods=["POST"])
+        versioned = f"/v2/models/{{model_name}}/versions/{{model_version}}/{path}"
+        router.add_api_route(versioned, endpoint, methods=["POST"])
+
+    route("generate", generate)
+    route("generate_stream", generate_stream)
+    route("infer_stream", infer_stream)
+    return router
