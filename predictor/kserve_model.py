@@ -21,6 +21,7 @@ from predictor.errors import (
     Overloaded,
     PredictorError,
 )
+from predictor.metrics import Metrics
 from predictor.types import GenerateRequest, TokenEvent
 
 
@@ -36,10 +37,14 @@ def to_kserve_error(exc: PredictorError) -> Exception:
 
 
 class LLMPredictor(Model):
-    def __init__(self, name: str, llm: EngineClient, default_max_tokens: int) -> None:
+    def __init__(
+        self, name: str, llm: EngineClient, default_max_tokens: int, metrics: Metrics
+    ) -> None:
         super().__init__(name)
         self.llm = llm
         self.default_max_tokens = default_max_tokens
+        self.metrics = metrics
+        metrics.track_engine(llm.running, llm.waiting)
         self.engine = True  # KServe awaits start_engine() on the server's event loop
 
     def load(self) -> bool:
@@ -73,16 +78,17 @@ class LLMPredictor(Model):
             raise InvalidInput("expected a V2 inference request")
         try:
             requests = codecs.decode_infer_request(payload, self.default_max_tokens)
-            completions = await asyncio.gather(*(complete(self.llm, r) for r in requests))
+            protocol = "grpc" if payload.from_grpc else "rest"
+            completions = await asyncio.gather(
+                *(complete(self.stream(r, protocol)) for r in requests)
+            )
         except PredictorError as exc:
             raise to_kserve_error(exc) from exc
         return codecs.encode_infer_response(payload, self.name, list(completions))
 
-    async def stream(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        """Token events of one request; closing the iterator early aborts the request."""
-        events = self.llm.generate(request)
-        try:
-            async for event in events:
-                yield event
-        finally:
-            await events.aclose()  # type: ignore[attr-defined]
+    def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]:
+        """Token events of one request, measured; closing the iterator aborts the request.
+
+        Raises InvalidRequest / Overloaded / EngineUnavailable before the first event.
+        """
+        return self.metrics.observe(self.llm.generate(request), protocol)

@@ -45,5 +45,5 @@ def tiny_gptq_dir(workdir: Path, tiny_dense_dir: Path) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
     """The real predictor (`python -m predictor`) on the tiny GPTQ model, on loopback ports."""
-    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--max-tokens-limit", "64"]) as proc:
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--max-tokens-limit", "512"]) as proc:
         yield proc

@@ -55,8 +55,12 @@ def build_tiny_dense(out: Path, tokenizer_dir: Path) -> Path:
     )
     torch.manual_seed(1234)
     model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # a wider logit spread than the default init: fewer near-ties
-        model.model.embed_tokens.weight.normal_(0.0, 0.5)
+    with torch.no_grad():
+        embeddings = model.model.embed_tokens.weight
+        embeddings.normal_(0.0, 0.5)  # a wider logit spread than the default init: fewer ties
+        # a zero (tied) embedding gives the end-of-sequence token logit 0, far below the top
+        # logit of a 49k vocabulary: streams run to max_tokens unless a test asks otherwise
+        embeddings[tokenizer.eos_token_id] = 0.0
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out

@@ -39,14 +39,18 @@ class EngineClient(Protocol):
         ...
 
 
-async def complete(engine: EngineClient, request: GenerateRequest) -> Completion:
-    """Run one request to the end and collect its text (the unary endpoints' path)."""
+async def complete(events: AsyncIterator[TokenEvent]) -> Completion:
+    """Run one request's events to the end and collect its text (the unary endpoints' path)."""
     parts: list[str] = []
-    async for event in engine.generate(request):
-        parts.append(event.text)
-        if event.final:
-            assert event.finish_reason is not None and event.usage is not None
-            if event.finish_reason is FinishReason.ERROR:
-                raise GenerationFailed(event.error or "generation failed")
-            return Completion(request.request_id, "".join(parts), event.finish_reason, event.usage)
+    try:
+        async for event in events:
+            parts.append(event.text)
+            if event.final:
+                assert event.finish_reason is not None and event.usage is not None
+                if event.finish_reason is FinishReason.ERROR:
+                    raise GenerationFailed(event.error or "generation failed")
+                text = "".join(parts)
+                return Completion(event.request_id, text, event.finish_reason, event.usage)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
     raise GenerationFailed("the engine ended the request without a final event")

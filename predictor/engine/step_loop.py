@@ -40,6 +40,7 @@ class StepLoop:
         eos_ids: Collection[int],
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int], None] | None = None,
+        on_admit: Callable[[float], None] | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -47,6 +48,7 @@ class StepLoop:
         self._eos_ids = frozenset(eos_ids)
         self._clock = clock
         self._on_step = on_step  # called with the batch size after each decode step
+        self._on_admit = on_admit  # called with each admitted request's waiting time
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -114,8 +116,11 @@ class StepLoop:
             for seq in seqs:  # the cache is untouched: only the newcomers fail
                 seq.finish(FinishReason.ERROR, error=f"prefill failed: {exc}")
             return
+        now = self._clock()
         for seq in seqs:
             seq.generator = make_generator(seq.params.seed, self.runner.device)
+            if self._on_admit is not None:
+                self._on_admit(now - seq.arrival)
         self.batch.extend(seqs)
         self._accept(seqs, logits)
         self._compact()

@@ -12,10 +12,13 @@ from kserve.model import BaseKServeModel
 from kserve.model_server import app as kserve_app
 from kserve.protocol.grpc.server import GRPCServer
 from kserve.protocol.rest.server import RESTServer
+from starlette.middleware.gzip import GZipMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.server.grpc import stream_handler
 from predictor.server.rest import ServedModel, build_router
+
+GZIP_MINIMUM_BYTES = 500
 
 
 class DefaultJSONContentType:
@@ -108,6 +111,9 @@ class PredictorServer(ModelServer):
     def start(self, models: list[BaseKServeModel]) -> None:
         self._register_and_check_atleast_one_model_is_ready(models)
         kserve_app.add_middleware(DefaultJSONContentType)
+        # Unary JSON is compressed for clients that accept it; Starlette never compresses
+        # text/event-stream, so streams are not held back.
+        kserve_app.add_middleware(GZipMiddleware, minimum_size=GZIP_MINIMUM_BYTES)
         kserve_app.include_router(build_router(self.served_model))
         self._rest_server = RESTServer(
             FASTAPI_APP_IMPORT_STRING,

@@ -71,7 +71,7 @@ class StreamInferServicer:
             if more:
                 raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
             empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
-            events = model.llm.generate(req)
+            events = model.stream(req, "grpc")
             try:
                 async for event in events:
                     if event.error is not None:

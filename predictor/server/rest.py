@@ -37,6 +37,8 @@ class ServedModel(Protocol):
     default_max_tokens: int
     ready: bool
 
+    def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]: ...
+
 
 Resolve = Callable[[str], ServedModel | None]
 
@@ -120,7 +122,7 @@ def build_router(resolve: Resolve) -> APIRouter:
     async def generate(request: Request, model_name: str) -> Response:
         try:
             model, req = await parse_generate(request, model_name)
-            completion = await complete(model.llm, req)
+            completion = await complete(model.stream(req, "rest"))
         except PredictorError as exc:
             return error_response(exc)
         return JSONResponse(codecs.generate_response(model.name, completion))
@@ -131,7 +133,7 @@ def build_router(resolve: Resolve) -> APIRouter:
         except PredictorError as exc:
             return error_response(exc)
         return await start_stream(
-            model.llm.generate(req), lambda e: codecs.generate_stream_event(model.name, e)
+            model.stream(req, "rest"), lambda e: codecs.generate_stream_event(model.name, e)
         )
 
     async def infer_stream(request: Request, model_name: str) -> Response:
@@ -155,7 +157,7 @@ def build_router(resolve: Resolve) -> APIRouter:
             assert isinstance(body, dict)
             return body
 
-        return await start_stream(model.llm.generate(req), encode)
+        return await start_stream(model.stream(req, "rest"), encode)
 
     def route(path: str, endpoint: Callable[[Request, str], Awaitable[Response]]) -> None:
         router.add_api_route(f"/v2/models/{{model_name}}/{path}", endpoint, methods=["POST"])

@@ -1,0 +1,107 @@
+"""Every Prometheus collector, created once against a registry passed in.
+
+Served on KServe's `/metrics` (the default registry) by `python -m predictor`; tests pass their
+own registry. REST and gRPC, unary and streaming, are counted alike: each path wraps its event
+stream in `observe`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from predictor.errors import PredictorError
+from predictor.types import TokenEvent
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.model_name = model_name
+        labels = ["model"]
+        self.ttft = Histogram(
+            "predictor_time_to_first_token_seconds", "Time from request to its first token.",
+            labels, registry=registry, buckets=_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            "predictor_time_per_output_token_seconds", "Time between a request's tokens.",
+            labels, registry=registry, buckets=_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "predictor_e2e_request_latency_seconds", "Time from request to its last event.",
+            labels, registry=registry, buckets=_E2E_BUCKETS,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "predictor_queue_time_seconds", "Time a request waited for a batch row.",
+            labels, registry=registry, buckets=_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.batch_size = Histogram(
+            "predictor_batch_size", "Rows in each decode step.",
+            labels, registry=registry, buckets=_BATCH_BUCKETS,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "predictor_prompt_tokens", "Prompt tokens of finished requests.", labels,
+            registry=registry,
+        )  # fmt: skip
+        self.generation_tokens = Counter(
+            "predictor_generation_tokens", "Tokens generated.", labels, registry=registry
+        )
+        self.requests = Counter(
+            "predictor_requests", "Requests by protocol and finish reason.",
+            ["model", "protocol", "finish_reason"], registry=registry,
+        )  # fmt: skip
+        self.running = Gauge(
+            "predictor_num_requests_running", "Requests holding a batch row.", labels,
+            registry=registry,
+        )  # fmt: skip
+        self.waiting = Gauge(
+            "predictor_num_requests_waiting", "Requests waiting for a batch row.", labels,
+            registry=registry,
+        )  # fmt: skip
+
+    def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
+        self.running.labels(self.model_name).set_function(running)
+        self.waiting.labels(self.model_name).set_function(waiting)
+
+    def observe_batch(self, rows: int) -> None:
+        """Called by the step loop after each decode step."""
+        self.batch_size.labels(self.model_name).observe(rows)
+
+    def observe_queue(self, seconds: float) -> None:
+        """Called by the step loop when a request gets its row."""
+        self.queue_time.labels(self.model_name).observe(seconds)
+
+    async def observe(
+        self, events: AsyncIterator[TokenEvent], protocol: str
+    ) -> AsyncIterator[TokenEvent]:
+        """Pass a request's events through, timing and counting them."""
+        model = self.model_name
+        start = last = time.monotonic()
+        first = True
+        reason = "cancelled"
+        try:
+            async for event in events:
+                now = time.monotonic()
+                if event.token_ids:
+                    hist = self.ttft if first else self.tpot
+                    hist.labels(model).observe(now - last)
+                    self.generation_tokens.labels(model).inc(len(event.token_ids))
+                    first, last = False, now
+                if event.final and event.finish_reason is not None:
+                    reason = event.finish_reason.value
+                    self.e2e.labels(model).observe(now - start)
+                    if event.usage is not None:
+                        self.prompt_tokens.labels(model).inc(event.usage.prompt_tokens)
+                yield event
+        except PredictorError:
+            reason = "rejected"
+            raise
+        finally:
+            self.requests.labels(model, protocol, reason).inc()
+            await events.aclose()  # type: ignore[attr-defined]
