@@ -27,7 +27,9 @@ log = logging.getLogger("predictor")
 
 def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> AsyncEngine:
     """Runner, scheduler and step loop behind the asyncio front."""
-    runner = ModelRunner(loaded.model, loaded.device, loaded.pad_token_id)
+    runner = ModelRunner(
+        loaded.model, loaded.device, loaded.pad_token_id, threads=settings.torch_threads
+    )
     scheduler = Scheduler(settings.max_batch_size, settings.max_cache_tokens, settings.max_waiting)
     step_loop = StepLoop(
         runner,
@@ -54,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        loaded = load_checkpoint(settings.model_dir, settings.device, settings.torch_threads)
+        # One thread here: only the step loop's thread runs torch in parallel (see
+        # ModelRunner.bind_thread).
+        loaded = load_checkpoint(settings.model_dir, settings.device, threads=1)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2

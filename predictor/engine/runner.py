@@ -16,13 +16,26 @@ from transformers import DynamicCache
 
 
 class ModelRunner:
-    def __init__(self, model: Any, device: torch.device, pad_token_id: int) -> None:
+    def __init__(
+        self, model: Any, device: torch.device, pad_token_id: int, threads: int = 0
+    ) -> None:
         self.model = model
         self.device = device
         self.pad_token_id = pad_token_id
+        self.threads = threads
         self._cache: DynamicCache | None = None
         self._mask: torch.Tensor | None = None  # [B, T] 1 for real tokens, 0 for left padding
         self._positions: torch.Tensor | None = None  # [B] position of each row's next token
+
+    def bind_thread(self) -> None:
+        """Called first on the thread that will run the forward passes.
+
+        torch's CPU thread count is per calling thread. Measured here: once the main thread has
+        run parallel torch work, another thread's 2-thread matmuls run no faster than 1 thread;
+        so the server loads with 1 thread on the main thread and parallelises only here.
+        """
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
 
     @property
     def rows(self) -> int:

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 class Runner(Protocol):
     device: torch.device
 
+    def bind_thread(self) -> None: ...
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor: ...
     def decode(self, last_tokens: list[int]) -> torch.Tensor: ...
     def keep(self, rows: list[int]) -> None: ...
@@ -75,6 +76,7 @@ class StepLoop:
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
+        self.runner.bind_thread()
         while not self._stopping.is_set():
             if not self.batch and not self.scheduler.waiting():
                 self._wake.wait(timeout=0.5)

@@ -26,10 +26,20 @@ def main() -> None:
     results: queue.Queue = queue.Queue()
     client = grpcclient.InferenceServerClient(target)
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, [text_input("Hello")], request_id="a",
-                              parameters={"max_tokens": 6}, enable_empty_final_response=True)
-    client.async_stream_infer(model, [text_input("World")], request_id="bad",
-                              parameters={"max_tokens": 0}, enable_empty_final_response=True)
+    client.async_stream_infer(
+        model,
+        [text_input("Hello")],
+        request_id="a",
+        parameters={"max_tokens": 6},
+        enable_empty_final_response=True,
+    )
+    client.async_stream_infer(
+        model,
+        [text_input("World")],
+        request_id="bad",
+        parameters={"max_tokens": 0},
+        enable_empty_final_response=True,
+    )
     client.async_stream_infer(model, [text_input("Again")], request_id="b",
                               parameters={"max_tokens": 4, "temperature": 0.5, "seed": 1},
                               enable_empty_final_response=True)  # fmt: skip
@@ -49,15 +59,20 @@ def main() -> None:
             text = result.as_numpy("text_output")
             out["responses"][response.id].append(text[0].decode() if text is not None else None)
             if "generated_tokens" in response.parameters:
-                out.setdefault("usage", {})[response.id] = (
-                    response.parameters["generated_tokens"].int64_param
-                )
+                out.setdefault("usage", {})[response.id] = response.parameters[
+                    "generated_tokens"
+                ].int64_param
     client.stop_stream()
 
     # a long request on a new stream, then the call is cancelled
     client.start_stream(callback=lambda result, error: results.put((result, error)))
-    client.async_stream_infer(model, [text_input("Long")], request_id="c",
-                              parameters={"max_tokens": 60}, enable_empty_final_response=True)
+    client.async_stream_infer(
+        model,
+        [text_input("Long")],
+        request_id="c",
+        parameters={"max_tokens": 60},
+        enable_empty_final_response=True,
+    )
     results.get(timeout=60)
     client.stop_stream(cancel_requests=True)
     out["cancelled"] = True

@@ -102,10 +102,14 @@ async def test_abort_by_id(tiny_dense: Tiny) -> None:
 async def test_bad_requests_fail_before_the_first_event(tiny_dense: Tiny) -> None:
     with running_engine(tiny_dense) as engine:
         with pytest.raises(InvalidRequest, match="max_tokens"):
-            await complete(engine.generate(GenerateRequest("a", "hi", SamplingParams(max_tokens=65))))
+            await complete(
+                engine.generate(GenerateRequest("a", "hi", SamplingParams(max_tokens=65)))
+            )
         with pytest.raises(InvalidRequest, match="limit is 100 tokens"):
             await complete(engine.generate(GenerateRequest("b", "word " * 300, SamplingParams())))
-        ok = await complete(engine.generate(GenerateRequest("c", "hi", SamplingParams(max_tokens=3))))
+        ok = await complete(
+            engine.generate(GenerateRequest("c", "hi", SamplingParams(max_tokens=3)))
+        )
         assert ok.usage.generated_tokens == 3 and ok.finish_reason is FinishReason.LENGTH
 
 
@@ -117,7 +121,9 @@ async def test_full_queue_is_refused_at_once(tiny_dense: Tiny) -> None:
         waiting = asyncio.create_task(long[1].__anext__())  # holds the only waiting place
         await wait_for(lambda: engine.waiting() == 1)
         with pytest.raises(Overloaded):
-            await complete(engine.generate(GenerateRequest("o", "hi", SamplingParams(max_tokens=2))))
+            await complete(
+                engine.generate(GenerateRequest("o", "hi", SamplingParams(max_tokens=2)))
+            )
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
         for stream in long:

@@ -106,6 +106,9 @@ class PoisonRows:
                 logits[row] = float("nan")
         return logits
 
+    def bind_thread(self) -> None:
+        self.inner.bind_thread()
+
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         return self.inner.prefill(prompts)
 
@@ -143,6 +146,9 @@ class FailOnce:
 
     def __init__(self, inner: ModelRunner) -> None:
         self.inner, self.device, self.armed = inner, inner.device, False
+
+    def bind_thread(self) -> None:
+        self.inner.bind_thread()
 
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
         return self.inner.prefill(prompts)

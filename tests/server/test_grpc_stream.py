@@ -50,16 +50,22 @@ def test_tritonclient_stream(server: ServerProcess) -> None:
     wait_idle(server)
 
 
-def stream_request(rid: str, prompt: bytes, max_tokens: int, empty_final: bool) -> pb.ModelInferRequest:
+def stream_request(
+    rid: str, prompt: bytes, max_tokens: int, empty_final: bool
+) -> pb.ModelInferRequest:
     msg = pb.ModelInferRequest(model_name="tiny", id=rid)
     msg.parameters["max_tokens"].int64_param = max_tokens
     if empty_final:
         msg.parameters["triton_enable_empty_final_response"].bool_param = True
-    msg.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(prompt)
+    msg.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
+        prompt
+    )
     return msg
 
 
-def call_stream(server: ServerProcess, requests: list[pb.ModelInferRequest]) -> list[ModelStreamInferResponse]:
+def call_stream(
+    server: ServerProcess, requests: list[pb.ModelInferRequest]
+) -> list[ModelStreamInferResponse]:
     with grpc.insecure_channel(server.grpc_target) as channel:
         rpc = channel.stream_stream(
             "/inference.GRPCInferenceService/ModelStreamInfer",
@@ -82,7 +88,8 @@ def test_unknown_model_and_non_utf8_are_per_request_errors(server: ServerProcess
     unknown = stream_request("u", b"Hi", 2, empty_final=True)
     unknown.model_name = "nope"
     responses = call_stream(
-        server, [unknown, stream_request("n", b"\xff", 2, True), stream_request("ok", b"Hi", 2, True)]
+        server,
+        [unknown, stream_request("n", b"\xff", 2, True), stream_request("ok", b"Hi", 2, True)],
     )
     errors = {r.infer_response.id: r.error_message for r in responses if r.error_message}
     assert "does not exist" in errors["u"] and "UTF-8" in errors["n"]

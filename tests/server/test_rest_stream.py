@@ -16,7 +16,6 @@ from predictor.types import FinishReason, TokenEvent, Usage
 from tests.server.test_grpc_stream import running_requests, wait_idle
 from tests.support import ServerProcess
 
-
 # long enough that the tiny model is still generating when the first event arrives
 LONG = 500
 
@@ -37,7 +36,10 @@ def test_generate(server: ServerProcess) -> None:
 
 def test_generate_stream_events_and_headers(server: ServerProcess) -> None:
     body = {"id": "s1", "text_input": "Tell me", "parameters": {"max_tokens": LONG, "chat": True}}
-    with httpx.Client(timeout=60) as client, connect_sse(client, "POST", url(server, "generate_stream"), json=body) as source:
+    with (
+        httpx.Client(timeout=60) as client,
+        connect_sse(client, "POST", url(server, "generate_stream"), json=body) as source,
+    ):
         response = source.response
         assert response.headers["content-type"].startswith("text/event-stream")
         assert response.headers["cache-control"] == "no-cache"
@@ -75,8 +77,15 @@ def test_versioned_routes(server: ServerProcess) -> None:
         ("infer_stream", "nope", '{"inputs": []}', 404),
     ],
 )
-def test_errors_before_the_first_byte_are_json(server: ServerProcess, route: str, model: str, content: str, status: int) -> None:
-    r = httpx.post(url(server, route, model), content=content, headers={"content-type": "application/json"}, timeout=30)
+def test_errors_before_the_first_byte_are_json(
+    server: ServerProcess, route: str, model: str, content: str, status: int
+) -> None:
+    r = httpx.post(
+        url(server, route, model),
+        content=content,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     assert r.json()["error"]
@@ -85,27 +94,47 @@ def test_errors_before_the_first_byte_are_json(server: ServerProcess, route: str
 async def test_error_after_the_first_byte_is_an_event() -> None:
     async def events() -> AsyncIterator[TokenEvent]:
         yield TokenEvent("e", "Hello", (1,))
-        yield TokenEvent("e", "", (), FinishReason.ERROR, Usage(1, 1), "the model produced non-finite logits")
+        yield TokenEvent(
+            "e", "", (), FinishReason.ERROR, Usage(1, 1), "the model produced non-finite logits"
+        )
 
     response = await start_stream(events(), lambda e: {"text_output": e.text})
     chunks = [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
-    assert chunks == [b'data: {"text_output": "Hello"}\n\n', b'data: {"error": "the model produced non-finite logits"}\n\n']
+    assert chunks == [
+        b'data: {"text_output": "Hello"}\n\n',
+        b'data: {"error": "the model produced non-finite logits"}\n\n',
+    ]
 
 
 def test_infer_stream(server: ServerProcess) -> None:
-    body = {"id": "v", "inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]}], "parameters": {"max_tokens": 4}}
-    with httpx.Client(timeout=60) as client, connect_sse(client, "POST", url(server, "infer_stream"), json=body) as source:
+    body = {
+        "id": "v",
+        "inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["Hi"]}],
+        "parameters": {"max_tokens": 4},
+    }
+    with (
+        httpx.Client(timeout=60) as client,
+        connect_sse(client, "POST", url(server, "infer_stream"), json=body) as source,
+    ):
         events = [json.loads(e.data) for e in source.iter_sse()]
     assert all(e["id"] == "v" and e["outputs"][0]["name"] == "text_output" for e in events)
     assert events[-1]["parameters"]["generated_tokens"] == 4
 
 
 def test_gzip_compresses_unary_but_never_streams(server: ServerProcess) -> None:
-    body = {"inputs": [{"name": "text_input", "shape": [8], "datatype": "BYTES", "data": ["Hello"] * 8}], "parameters": {"max_tokens": 32}}
+    body = {
+        "inputs": [
+            {"name": "text_input", "shape": [8], "datatype": "BYTES", "data": ["Hello"] * 8}
+        ],
+        "parameters": {"max_tokens": 32},
+    }
     r = httpx.post(url(server, "infer"), json=body, headers={"accept-encoding": "gzip"}, timeout=60)
     assert r.status_code == 200 and r.headers.get("content-encoding") == "gzip"
     stream_body = {"text_input": "Go", "parameters": {"max_tokens": LONG}}
-    with httpx.Client(timeout=60, headers={"accept-encoding": "gzip"}) as client, client.stream("POST", url(server, "generate_stream"), json=stream_body) as response:
+    with (
+        httpx.Client(timeout=60, headers={"accept-encoding": "gzip"}) as client,
+        client.stream("POST", url(server, "generate_stream"), json=stream_body) as response,
+    ):
         assert "content-encoding" not in response.headers
         chunks = response.iter_text()  # keep a reference: dropping it closes the connection
         first = next(chunks)
@@ -120,7 +149,9 @@ def test_curl_sees_events(server: ServerProcess) -> None:
         ["curl", "-sN", url(server, "generate_stream"), "-d", '{"text_input": "Hi", "parameters": {"max_tokens": 6}}'],
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    events = [json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("data: ")]
+    events = [
+        json.loads(line[6:]) for line in done.stdout.splitlines() if line.startswith("data: ")
+    ]
     assert len(events) >= 2 and events[-1]["finish_reason"] == "length"
 
 
