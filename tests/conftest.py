@@ -47,3 +47,7 @@ def server(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
     """The real predictor (`python -m predictor`) on the tiny GPTQ model, on loopback ports."""
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--max-tokens-limit", "512"]) as proc:
         yield proc
+
+
+# The in-process tiny models (tests/engine/conftest.py) serve tests outside engine/ too.
+from tests.engine.conftest import tiny_dense, tiny_gptq  # noqa: E402, F401
