@@ -46,6 +46,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         loaded.tokenizer,
         max_tokens_limit=settings.max_tokens_limit,
         max_prompt_tokens=max_prompt,
+        default_timeout=settings.request_timeout or None,
     )
 
 
@@ -80,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         http_port=settings.http_port,
         grpc_port=settings.grpc_port,
         enable_grpc=settings.enable_grpc,
+        grace_period=settings.drain_seconds,
     )
     server.start([predictor])
     return 0

@@ -9,14 +9,14 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+from grpc_interceptor import exceptions as grpc_status
 from kserve import InferRequest, InferResponse, Model
-from kserve.errors import InferenceError, InvalidInput, ServerNotReady
+from kserve.errors import InferenceError, InvalidInput
 
 from predictor import codecs
 from predictor.engine.client import EngineClient, complete
 from predictor.errors import (
     EngineUnavailable,
-    GenerationFailed,
     InvalidRequest,
     Overloaded,
     PredictorError,
@@ -25,14 +25,18 @@ from predictor.metrics import Metrics
 from predictor.types import GenerateRequest, TokenEvent
 
 
-def to_kserve_error(exc: PredictorError) -> Exception:
-    """Our errors as the KServe exceptions its REST handlers and gRPC interceptor understand."""
+def to_kserve_error(exc: PredictorError, grpc: bool) -> Exception:
+    """Our errors as KServe's REST handlers and gRPC interceptor understand them.
+
+    Over REST, Overloaded and EngineUnavailable stay ours: the server's handler answers 429 with
+    Retry-After and 503. Over gRPC they become RESOURCE_EXHAUSTED and UNAVAILABLE.
+    """
     if isinstance(exc, InvalidRequest):
         return InvalidInput(str(exc))
-    if isinstance(exc, Overloaded | EngineUnavailable):
-        return ServerNotReady(str(exc))
-    if isinstance(exc, GenerationFailed):
-        return InferenceError(str(exc))
+    if isinstance(exc, Overloaded):
+        return grpc_status.ResourceExhausted(str(exc)) if grpc else exc
+    if isinstance(exc, EngineUnavailable):
+        return grpc_status.Unavailable(str(exc)) if grpc else exc
     return InferenceError(str(exc))
 
 
@@ -83,7 +87,7 @@ class LLMPredictor(Model):
                 *(complete(self.stream(r, protocol)) for r in requests)
             )
         except PredictorError as exc:
-            raise to_kserve_error(exc) from exc
+            raise to_kserve_error(exc, payload.from_grpc) from exc
         return codecs.encode_infer_response(payload, self.name, list(completions))
 
     def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]:

@@ -7,6 +7,7 @@ stream in `observe`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -19,6 +20,14 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+
+
+def _event_loop_tasks() -> int:
+    """Tasks on the running event loop (scrapes run on it); 0 when called off the loop."""
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:
+        return 0
 
 
 class Metrics:
@@ -64,6 +73,11 @@ class Metrics:
             "predictor_num_requests_waiting", "Requests waiting for a batch row.", labels,
             registry=registry,
         )  # fmt: skip
+        self.loop_tasks = Gauge(
+            "predictor_event_loop_tasks", "asyncio tasks alive on the server's event loop.",
+            registry=registry,
+        )  # fmt: skip
+        self.loop_tasks.set_function(_event_loop_tasks)
 
     def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         self.running.labels(self.model_name).set_function(running)

@@ -31,6 +31,8 @@ class Settings:
     max_cache_tokens: int = 32768  # KV-cache budget: sum of (prompt + max_tokens) over running rows
     max_waiting: int = 256  # requests allowed to wait for a row before new ones are refused
     max_prompt_tokens: int = 0  # 0: the model's context length minus max_tokens_limit
+    request_timeout: float = 0.0  # seconds a request may run (0: no server default)
+    drain_seconds: int = 30  # on SIGTERM: how long requests in flight may take to finish
     hf_home: Path = Path.home() / ".cache" / "huggingface"
 
     @property
@@ -60,6 +62,8 @@ class Settings:
             raise ValueError("--default-max-tokens must not exceed --max-tokens-limit")
         if self.max_batch_size < 1 or self.max_waiting < 0:
             raise ValueError("--max-batch-size must be >= 1 and --max-waiting >= 0")
+        if self.request_timeout < 0 or self.drain_seconds < 0:
+            raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
 
 def _bool(text: str) -> bool:
@@ -85,6 +89,9 @@ _HELP = {
     "max_cache_tokens": "KV-cache token budget over the running batch",
     "max_waiting": "most requests waiting for a batch row; more are refused",
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
+    "request_timeout": "seconds a request may run before it ends with finish reason timeout "
+    "(0: none; a request's own `timeout` parameter may set one)",
+    "drain_seconds": "on SIGTERM, seconds for requests in flight to finish before exit",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
 }
 

@@ -25,19 +25,38 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, "tiny")
     loop = new_loop(tiny_dense.runner(), frozenset())
-    loop._on_step, loop._on_admit = metrics.observe_batch, metrics.observe_queue  # as __main__ wires
+    loop._on_step, loop._on_admit = (
+        metrics.observe_batch,
+        metrics.observe_queue,
+    )  # as __main__ wires
     engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
     metrics.track_engine(engine.running, engine.waiting)
     engine.start()
     try:
         prompts = {"a": "Hello", "b": "The sky", "c": "Count to ten", "d": "x"}
         lengths = {"a": 5, "b": 7, "c": 3}
-        unary = [complete(metrics.observe(engine.generate(GenerateRequest(k, prompts[k], SamplingParams(max_tokens=lengths[k]))), "rest")) for k in ("a", "b")]
-        stream = metrics.observe(engine.generate(GenerateRequest("c", prompts["c"], SamplingParams(max_tokens=3))), "grpc")
+        unary = [
+            complete(
+                metrics.observe(
+                    engine.generate(
+                        GenerateRequest(k, prompts[k], SamplingParams(max_tokens=lengths[k]))
+                    ),
+                    "rest",
+                )
+            )
+            for k in ("a", "b")
+        ]
+        stream = metrics.observe(
+            engine.generate(GenerateRequest("c", prompts["c"], SamplingParams(max_tokens=3))),
+            "grpc",
+        )
         streamed = [e async for e in stream]
         done = await asyncio.gather(*unary)
         # a cancelled stream: two tokens, then the client leaves
-        cancelled = metrics.observe(engine.generate(GenerateRequest("d", prompts["d"], SamplingParams(max_tokens=50))), "grpc")
+        cancelled = metrics.observe(
+            engine.generate(GenerateRequest("d", prompts["d"], SamplingParams(max_tokens=50))),
+            "grpc",
+        )
         seen = 0
         async for event in cancelled:
             seen += len(event.token_ids)
@@ -45,7 +64,12 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
                 break
         await cancelled.aclose()  # type: ignore[attr-defined]
         with pytest.raises(InvalidRequest):
-            await complete(metrics.observe(engine.generate(GenerateRequest("e", "y", SamplingParams(max_tokens=99))), "rest"))
+            await complete(
+                metrics.observe(
+                    engine.generate(GenerateRequest("e", "y", SamplingParams(max_tokens=99))),
+                    "rest",
+                )
+            )
         while engine.running():
             await asyncio.sleep(0.01)
     finally:
@@ -56,8 +80,12 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
     assert streamed[-1].usage is not None and streamed[-1].usage.generated_tokens == 3
     assert value(registry, "predictor_requests_total", protocol="rest", finish_reason="length") == 2
     assert value(registry, "predictor_requests_total", protocol="grpc", finish_reason="length") == 1
-    assert value(registry, "predictor_requests_total", protocol="grpc", finish_reason="cancelled") == 1
-    assert value(registry, "predictor_requests_total", protocol="rest", finish_reason="rejected") == 1
+    assert (
+        value(registry, "predictor_requests_total", protocol="grpc", finish_reason="cancelled") == 1
+    )
+    assert (
+        value(registry, "predictor_requests_total", protocol="rest", finish_reason="rejected") == 1
+    )
     assert value(registry, "predictor_generation_tokens_total") == 5 + 7 + 3 + 2
     assert value(registry, "predictor_prompt_tokens_total") == sum(prompt_tokens.values())
     # one first token per request that produced one; every later token is one TPOT sample
@@ -90,7 +118,9 @@ def test_server_counts_rest_and_grpc_alike(server) -> None:  # type: ignore[no-u
 
     before = requests_total()
     body = {"text_input": "Hi", "parameters": {"max_tokens": 2}}
-    httpx.post(f"{server.base_url}/v2/models/tiny/generate", json=body, timeout=60).raise_for_status()
+    httpx.post(
+        f"{server.base_url}/v2/models/tiny/generate", json=body, timeout=60
+    ).raise_for_status()
     with contextlib.suppress(Exception):
         subprocess.run([sys.executable, "-m", "tests.clients.triton_grpc", server.grpc_target, "tiny", "infer"],
                        cwd=REPO, capture_output=True, timeout=120, check=True)  # fmt: skip

@@ -51,7 +51,12 @@ class AsyncEngine:
     def start(self) -> None:
         self._loop.start()
 
+    def drain(self) -> None:
+        """Refuse new requests (EngineUnavailable); the ones in flight go on."""
+        self._accepting = False
+
     def stop(self) -> None:
+        """Stop the step loop; requests still in flight end with an error."""
         self._accepting = False
         self._loop.stop()
 

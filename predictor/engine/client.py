@@ -14,6 +14,10 @@ class EngineClient(Protocol):
         """Start the step loop (called once the server's event loop runs)."""
         ...
 
+    def drain(self) -> None:
+        """Refuse new requests; those in flight go on."""
+        ...
+
     def stop(self) -> None: ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:

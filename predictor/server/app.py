@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,10 +14,15 @@ from kserve.model_server import app as kserve_app
 from kserve.protocol.grpc.server import GRPCServer
 from kserve.protocol.rest.server import RESTServer
 from starlette.middleware.gzip import GZipMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from predictor.engine.client import EngineClient
+from predictor.errors import PredictorError
 from predictor.server.grpc import stream_handler
-from predictor.server.rest import ServedModel, build_router
+from predictor.server.lifecycle import Drain, DrainingDataPlane
+from predictor.server.rest import ServedModel, build_router, error_response
 
 GZIP_MINIMUM_BYTES = 500
 
@@ -44,6 +50,12 @@ class DefaultJSONContentType:
                 kept = [(n, v) for n, v in headers if n != b"content-type"]
                 scope = dict(scope, headers=[*kept, (b"content-type", b"application/json")])
         await self.app(scope, receive, send)
+
+
+async def predictor_error_handler(request: Request, exc: Exception) -> Response:
+    """Our errors raised through KServe's own routes (V2 infer): 429 with Retry-After, etc."""
+    assert isinstance(exc, PredictorError)
+    return error_response(exc)
 
 
 class PredictorGRPCServer(GRPCServer):
@@ -102,6 +114,28 @@ class PredictorServer(ModelServer):
             grace_period=grace_period,
         )
         self.host = host
+        self.dataplane = DrainingDataPlane(model_registry=self.registered_models)
+        self.drain = Drain(self.dataplane, self._engines, grace_period, self._stop_servers)
+
+    def _engines(self) -> list[EngineClient]:
+        models = self.registered_models.get_models().values()
+        return [m.llm for m in models if isinstance(m, ServedModel)]
+
+    async def _stop_servers(self, force: bool) -> None:
+        if self._rest_server is not None:
+            uvicorn_server = self._rest_server._server
+            uvicorn_server.should_exit = True
+            uvicorn_server.force_exit = force
+        if self._grpc_server is not None and self._grpc_server._server is not None:
+            await self._grpc_server._server.stop(grace=0 if force else 5)
+
+    def register_signal_handler(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.drain.on_signal)
+
+    async def _serve(self) -> None:
+        self.drain.attach(asyncio.get_running_loop())
+        await asyncio.gather(*self.servers)
 
     def served_model(self, name: str) -> ServedModel | None:
         """The registered model of that name, if it is one of ours (it has an engine)."""
@@ -115,6 +149,7 @@ class PredictorServer(ModelServer):
         # text/event-stream, so streams are not held back.
         kserve_app.add_middleware(GZipMiddleware, minimum_size=GZIP_MINIMUM_BYTES)
         kserve_app.include_router(build_router(self.served_model))
+        kserve_app.add_exception_handler(PredictorError, predictor_error_handler)
         self._rest_server = RESTServer(
             FASTAPI_APP_IMPORT_STRING,
             self.dataplane,
@@ -127,6 +162,8 @@ class PredictorServer(ModelServer):
             timeout_keep_alive=self.timeout_keep_alive,
         )
         self._rest_server.config.host = self.host
+        # uvicorn installs its own SIGINT/SIGTERM handlers while serving: make them drain too
+        self._rest_server._server.handle_exit = self.drain.on_signal
         self.servers.append(self._rest_server.start())
         if self.enable_grpc:
             self._grpc_server = PredictorGRPCServer(

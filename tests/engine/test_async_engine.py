@@ -136,3 +136,23 @@ async def test_stopped_engine_refuses(tiny_dense: Tiny) -> None:
         pass
     with pytest.raises(EngineUnavailable):
         await complete(engine.generate(GenerateRequest("s", "hi", SamplingParams(max_tokens=2))))
+
+
+async def test_server_default_timeout(tiny_dense: Tiny) -> None:
+    loop = new_loop(tiny_dense.runner(), frozenset())
+    engine = AsyncEngine(
+        loop,
+        tiny_dense.tokenizer,
+        max_tokens_limit=512,
+        max_prompt_tokens=100,
+        default_timeout=0.05,
+    )
+    engine.start()
+    try:
+        done = await complete(
+            engine.generate(GenerateRequest("t", "Go", SamplingParams(max_tokens=512)))
+        )
+        assert done.finish_reason is FinishReason.TIMEOUT and done.usage.generated_tokens < 512
+        await wait_for(lambda: engine.running() == 0)
+    finally:
+        engine.stop()
