@@ -61,16 +61,18 @@ def _grpc_parameter(value: Any) -> Any:
 
 
 def _integer(params: Mapping[str, Any], name: str, default: int | None) -> int | None:
-    value = params.get(name, default)
-    if value is None:
-        return None
+    value = params.get(name)
+    if value is None:  # absent, or JSON null: the default
+        return default
     if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
         raise InvalidRequest(f"parameter '{name}' must be an integer, got {value!r}")
     return int(value)
 
 
 def _number(params: Mapping[str, Any], name: str, default: float) -> float:
-    value = params.get(name, default)
+    value = params.get(name)
+    if value is None:  # absent, or JSON null: the default
+        return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidRequest(f"parameter '{name}' must be a number, got {value!r}")
     if value != value or value in (float("inf"), float("-inf")):
@@ -128,7 +130,8 @@ def sampling_from_parameters(params: Mapping[str, Any], default_max_tokens: int)
 
 def request_options(params: Mapping[str, Any]) -> tuple[bool, float | None]:
     """The non-sampling options: chat (apply the chat template) and timeout (seconds)."""
-    chat = params.get("chat", False)
+    chat = params.get("chat")
+    chat = False if chat is None else chat
     if not isinstance(chat, bool):
         raise InvalidRequest(f"parameter 'chat' must be a boolean, got {chat!r}")
     timeout = params.get("timeout")
@@ -286,3 +289,62 @@ def infer_stream_response(
         parameters=parameters or None,
         use_binary_outputs=request.from_grpc,
     )
+
+
+# -- OpenAPI descriptions of the bodies our routes read (KServe's app serves /openapi.json) ----
+
+_PARAMETERS_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 100},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "seed": {"type": "integer", "minimum": 0},
+        "stop": {
+            "oneOf": [
+                {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH},
+                {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH},
+                    "maxItems": MAX_STOP_STRINGS,
+                },
+            ]
+        },
+        "chat": {"type": "boolean"},
+        "timeout": {"type": "number", "exclusiveMinimum": 0},
+        "details": {"type": "boolean"},
+    },
+}
+
+GENERATE_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": [TEXT_INPUT],
+    "properties": {
+        "id": {"type": "string"},
+        TEXT_INPUT: {"type": "string", "minLength": 1},
+        "parameters": _PARAMETERS_SCHEMA,
+    },
+}
+
+INFER_REQUEST_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "id": {"type": "string"},
+        "parameters": _PARAMETERS_SCHEMA,
+        "inputs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "shape", "datatype", "data"],
+                "properties": {
+                    "name": {"type": "string", "enum": [TEXT_INPUT]},
+                    "shape": {"type": "array", "items": {"type": "integer"}},
+                    "datatype": {"type": "string", "enum": ["BYTES"]},
+                    "data": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}

@@ -113,3 +113,22 @@ def test_response_rest_and_grpc() -> None:
 
     values = deserialize_bytes_tensor(grpc_response.raw_output_contents[0])
     assert np.array_equal(values, np.array(["héllo".encode()], dtype=object))
+
+
+def test_null_parameters_take_their_defaults() -> None:
+    (req,) = codecs.decode_infer_request(
+        _request(
+            ["a"],
+            {
+                "max_tokens": None,
+                "temperature": None,
+                "top_k": None,
+                "seed": None,
+                "chat": None,
+                "timeout": None,
+            },
+        ),
+        9,
+    )
+    assert req.params.max_tokens == 9 and req.params.greedy and req.params.seed is None
+    assert req.chat is False and req.timeout is None

@@ -6,6 +6,8 @@ import torch
 
 from predictor.types import SamplingParams
 
+MIN_TEMPERATURE = 1e-4
+
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
@@ -16,25 +18,17 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def sample(
-    logits: torch.Tensor,  # [B, V] float32
-    params: list[SamplingParams],
-    generators: list[torch.Generator],
-) -> list[int]:
-    """One token id per row. Greedy rows take argmax; the others draw with their own generator."""
-    greedy_ids = logits.argmax(dim=-1).tolist()
-    out: list[int] = []
-    for row, (p, generator) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            out.append(int(greedy_ids[row]))
-        else:
-            out.append(_draw(logits[row], p, generator))
-    return out
+def greedy(logits: torch.Tensor) -> list[int]:
+    """argmax of every row of logits [B, V]."""
+    return [int(i) for i in logits.argmax(dim=-1).tolist()]
 
 
-def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    # logits: [V]
-    scaled = logits / p.temperature
+def draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
+    """One sampled token id from one row's logits [V] (finite), with the row's own generator."""
+    if p.temperature < MIN_TEMPERATURE:  # below float32's reach: the limit is greedy
+        return int(logits.argmax())
+    # shift so the largest logit is 0 before dividing: a tiny temperature cannot overflow
+    scaled = (logits - logits.max()) / p.temperature
     if 0 < p.top_k < scaled.shape[-1]:
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -43,6 +37,7 @@ def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
         # drop a token when the tokens before it already reach top_p; the first always stays
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
+        drop_sorted[0] = False  # even when top_p rounds to 0 in float32
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)

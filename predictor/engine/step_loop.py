@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from predictor.engine.batch import Batch, Sequence
-from predictor.engine.sampling import finite_rows, make_generator, sample
+from predictor.engine.sampling import draw, finite_rows, greedy, make_generator
 from predictor.engine.scheduler import Scheduler
 from predictor.types import FinishReason
 
@@ -151,8 +151,16 @@ class StepLoop:
             return
         rows = logits if len(good) == len(seqs) else logits[good]
         chosen = [seqs[i] for i in good]
-        tokens = sample(rows, [s.params for s in chosen], [s.generator for s in chosen])
-        for seq, token in zip(chosen, tokens, strict=True):
+        greedy_ids = greedy(rows)
+        for row, seq in enumerate(chosen):
+            if seq.params.greedy:
+                token = greedy_ids[row]
+            else:
+                try:
+                    token = draw(rows[row], seq.params, seq.generator)
+                except Exception as exc:  # one request's sampling must not fail the batch
+                    seq.finish(FinishReason.ERROR, error=f"sampling failed: {exc}")
+                    continue
             self._advance(seq, token)
 
     def _advance(self, seq: Sequence, token: int) -> None:

@@ -159,12 +159,32 @@ def build_router(resolve: Resolve) -> APIRouter:
 
         return await start_stream(model.stream(req, "rest"), encode)
 
-    def route(path: str, endpoint: Callable[[Request, str], Awaitable[Response]]) -> None:
-        router.add_api_route(f"/v2/models/{{model_name}}/{path}", endpoint, methods=["POST"])
-        versioned = f"/v2/models/{{model_name}}/versions/{{model_version}}/{path}"
-        router.add_api_route(versioned, endpoint, methods=["POST"])
+    def route(
+        path: str,
+        endpoint: Callable[[Request, str], Awaitable[Response]],
+        schema: dict[str, Any],
+        streams: bool,
+    ) -> None:
+        media = "text/event-stream" if streams else "application/json"
+        openapi = {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+            "responses": {
+                "200": {"description": "OK", "content": {media: {}}},
+                "400": {"description": 'Bad request: {"error": ...}'},
+                "404": {"description": "Unknown model"},
+                "429": {"description": "Queue full; see Retry-After"},
+                "503": {"description": "Not ready or draining"},
+            },
+        }
+        for prefix in (
+            "/v2/models/{model_name}",
+            "/v2/models/{model_name}/versions/{model_version}",
+        ):
+            router.add_api_route(
+                f"{prefix}/{path}", endpoint, methods=["POST"], openapi_extra=openapi
+            )
 
-    route("generate", generate)
-    route("generate_stream", generate_stream)
-    route("infer_stream", infer_stream)
+    route("generate", generate, codecs.GENERATE_REQUEST_SCHEMA, streams=False)
+    route("generate_stream", generate_stream, codecs.GENERATE_REQUEST_SCHEMA, streams=True)
+    route("infer_stream", infer_stream, codecs.INFER_REQUEST_SCHEMA, streams=True)
     return router
