@@ -29,7 +29,9 @@ class Settings:
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
     max_cache_tokens: int = 32768  # KV-cache budget: sum of (prompt + max_tokens) over running rows
-    max_waiting: int = 256  # requests allowed to wait for a row before new ones are refused
+    # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
+    # refused client learns at once instead of waiting minutes behind a deep queue
+    max_waiting: int = 64
     max_prompt_tokens: int = 0  # 0: the model's context length minus max_tokens_limit
     request_timeout: float = 0.0  # seconds a request may run (0: no server default)
     drain_seconds: int = 30  # on SIGTERM: how long requests in flight may take to finish
