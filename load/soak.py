@@ -4,7 +4,7 @@ that disconnect mid-stream and clients that send bad requests.
 Reports broken streams (must be 0), the classes of outcome with their counts, and the server
 process's RSS at start, peak and end. Traffic goes to 127.0.0.1 only; it stops by itself.
 
-    .venv/bin/python load/soak.py --seconds 600
+    .venv/bin/python -m load.soak --seconds 600
 """
 
 from __future__ import annotations
@@ -12,49 +12,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from load.local_server import REPO, LocalServer, local_server
+
 PROMPTS = [p for p in (REPO / "load" / "prompts.txt").read_text().splitlines() if p.strip()]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def wait_ready(
-    client: httpx.AsyncClient, base: str, process: subprocess.Popen[bytes]
-) -> None:
-    for _ in range(600):
-        if process.poll() is not None:
-            raise SystemExit(f"server exited with {process.returncode}")
-        try:
-            if (await client.get(f"{base}/v2/health/ready")).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        await asyncio.sleep(0.5)
-    raise SystemExit("server not ready")
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict, drop_after: int | None) -> str:
@@ -130,13 +96,13 @@ async def measure_capacity(
     return done / (time.monotonic() - started)
 
 
-async def soak(args: argparse.Namespace, base: str, process: subprocess.Popen[bytes]) -> None:
+async def soak(args: argparse.Namespace, server: LocalServer) -> None:
+    base = server.base_url
     limits = httpx.Limits(max_connections=args.max_open + 10)
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
-        await wait_ready(client, base, process)
         capacity = await measure_capacity(client, base, args.model, args.probe_seconds)
         rate = args.load_factor * capacity
-        rss_start = rss_mib(process.pid)
+        rss_start = server.rss_mib()
         print(
             f"capacity {capacity:.2f} req/s; soaking {args.seconds:.0f} s at {rate:.2f} req/s "
             f"({args.load_factor:.1f}x); server RSS at start {rss_start:.0f} MiB",
@@ -158,16 +124,16 @@ async def soak(args: argparse.Namespace, base: str, process: subprocess.Popen[by
                 outcomes["client_side_skipped"] += 1  # bounded: never more than --max-open
             await asyncio.sleep(rng.expovariate(rate))
             if now >= next_report:
-                peak_rss = max(peak_rss, rss_mib(process.pid))
+                peak_rss = max(peak_rss, server.rss_mib())
                 print(
                     f"  {now - started:5.0f} s: {sum(outcomes.values())} done, "
-                    f"{len(open_requests)} open, RSS {rss_mib(process.pid):.0f} MiB",
+                    f"{len(open_requests)} open, RSS {server.rss_mib():.0f} MiB",
                     flush=True,
                 )
                 next_report += 60
         await asyncio.gather(*open_requests, return_exceptions=True)
         await asyncio.sleep(2)
-        rss_end = rss_mib(process.pid)
+        rss_end = server.rss_mib()
         peak_rss = max(peak_rss, rss_end)
         metrics = (await client.get(f"{base}/metrics")).text
     broken = sum(n for k, n in outcomes.items() if k.startswith("broken") or k.startswith("http_5"))
@@ -193,22 +159,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--server-args", default="", help="extra flags for python -m predictor")
     args = parser.parse_args()
-    port = free_port()
-    log = open(REPO / "load" / "soak-server.log", "wb")  # noqa: SIM115
-    process = subprocess.Popen(
-        [sys.executable, "-m", "predictor", "--model-dir", args.model_dir,
-         "--model-name", args.model, "--http-port", str(port),
-         "--grpc-port", str(free_port()), *args.server_args.split()],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env={**os.environ},
-    )  # fmt: skip
-    try:
-        asyncio.run(soak(args, f"http://127.0.0.1:{port}", process))
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            print(f"server exit code after SIGTERM: {process.wait(60)}")
-        except subprocess.TimeoutExpired:
-            process.kill()
+    log_file = REPO / "load" / "soak-server.log"
+    extra = args.server_args.split()
+    with local_server(args.model_dir, args.model, log_file, extra) as server:
+        asyncio.run(soak(args, server))
 
 
 if __name__ == "__main__":

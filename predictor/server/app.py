@@ -7,6 +7,7 @@ import signal
 from collections.abc import Sequence
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from kserve import ModelServer
 from kserve.constants.constants import FASTAPI_APP_IMPORT_STRING
 from kserve.model import BaseKServeModel
@@ -15,7 +16,7 @@ from kserve.protocol.grpc.server import GRPCServer
 from kserve.protocol.rest.server import RESTServer
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.engine.client import EngineClient
@@ -56,6 +57,16 @@ async def predictor_error_handler(request: Request, exc: Exception) -> Response:
     """Our errors raised through KServe's own routes (V2 infer): 429 with Retry-After, etc."""
     assert isinstance(exc, PredictorError)
     return error_response(exc)
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> Response:
+    """FastAPI's body validation (KServe's /infer) as 422 with {"error": ...}, not {"detail"}."""
+    assert isinstance(exc, RequestValidationError)
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+        for e in exc.errors()[:3]
+    )
+    return JSONResponse({"error": f"invalid request body: {problems}"}, status_code=422)
 
 
 class PredictorGRPCServer(GRPCServer):
@@ -150,6 +161,7 @@ class PredictorServer(ModelServer):
         kserve_app.add_middleware(GZipMiddleware, minimum_size=GZIP_MINIMUM_BYTES)
         kserve_app.include_router(build_router(self.served_model))
         kserve_app.add_exception_handler(PredictorError, predictor_error_handler)
+        kserve_app.add_exception_handler(RequestValidationError, validation_error_handler)
         self._rest_server = RESTServer(
             FASTAPI_APP_IMPORT_STRING,
             self.dataplane,

@@ -1,0 +1,144 @@
+"""Serving benchmark (asyncio, no locust): TTFT, inter-token latency and tokens/s at several
+concurrency levels against any OIP `generate_stream` endpoint, and the C=16 / C=1 ratio.
+
+With --url it measures that server; without, it starts `python -m predictor` on the default
+model. --infer-check also times 16 concurrent V2 infer requests against one.
+
+    .venv/bin/python -m load.bench_serving [--url http://127.0.0.1:8080 --model NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from load.local_server import REPO, local_server
+
+PROMPTS = [p for p in (REPO / "load" / "prompts.txt").read_text().splitlines() if p.strip()]
+
+
+@dataclass
+class Sample:
+    ttft: float
+    gaps: list[float] = field(default_factory=list)
+    tokens: int = 0
+    total: float = 0.0
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Sample:
+    body = {"text_input": prompt, "parameters": {"max_tokens": max_tokens, "chat": True}}
+    sent = time.perf_counter()
+    sample, last = Sample(ttft=0.0), sent
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            now, event = time.perf_counter(), json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            if event.get("text_output"):
+                if not sample.ttft:
+                    sample.ttft = now - sent
+                else:
+                    sample.gaps.append(now - last)
+                last = now
+            if "details" in event:
+                sample.tokens = event["details"]["generated_tokens"]
+    sample.total = time.perf_counter() - sent
+    return sample
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+async def level(client: httpx.AsyncClient, url: str, c: int, rounds: int, max_tokens: int) -> dict:
+    samples: list[Sample] = []
+    started = time.perf_counter()
+    for r in range(rounds):
+        prompts = [PROMPTS[(r * c + i) % len(PROMPTS)] for i in range(c)]
+        samples += await asyncio.gather(*(one_stream(client, url, p, max_tokens) for p in prompts))
+    wall = time.perf_counter() - started
+    gaps = [g for s in samples for g in s.gaps]
+    return {
+        "c": c,
+        "requests": len(samples),
+        "ttft_p50": statistics.median(s.ttft for s in samples),
+        "ttft_p95": percentile([s.ttft for s in samples], 0.95),
+        "itl_p50": statistics.median(gaps) if gaps else 0.0,
+        "itl_p95": percentile(gaps, 0.95),
+        "tok_s": sum(s.tokens for s in samples) / wall,
+    }
+
+
+async def infer_check(client: httpx.AsyncClient, base: str, model: str, max_tokens: int) -> None:
+    url = f"{base}/v2/models/{model}/infer"
+
+    async def infer(prompt: str) -> None:
+        tensor = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": [prompt]}
+        params = {"max_tokens": max_tokens, "chat": True}
+        r = await client.post(url, json={"inputs": [tensor], "parameters": params})
+        r.raise_for_status()
+
+    started = time.perf_counter()
+    await infer(PROMPTS[1])
+    one = time.perf_counter() - started
+    started = time.perf_counter()
+    # the same prompt 16 times: greedy, so every request does the same work as the single one
+    await asyncio.gather(*(infer(PROMPTS[1]) for _ in range(16)))
+    sixteen = time.perf_counter() - started
+    print(f"\nV2 infer: one request {one:.2f} s; 16 concurrent {sixteen:.2f} s "
+          f"= {sixteen / one:.1f}x the time of one (16x would be no batching)")  # fmt: skip
+
+
+async def run(args: argparse.Namespace, base: str) -> None:
+    url = f"{base}/v2/models/{args.model}/generate_stream"
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+        await one_stream(client, url, "warm up", 4)
+        rows = [await level(client, url, c, args.rounds, args.max_tokens) for c in args.concurrency]
+        print(f"\n{args.max_tokens} new tokens per request, {args.rounds} rounds per level")
+        print(f"{'C':>3} {'requests':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} "
+              f"{'ITL p95':>8} {'tokens/s':>9}")  # fmt: skip
+        for r in rows:
+            print(f"{r['c']:>3} {r['requests']:>8} {r['ttft_p50'] * 1000:>7.0f}ms "
+                  f"{r['ttft_p95'] * 1000:>7.0f}ms {r['itl_p50'] * 1000:>6.0f}ms "
+                  f"{r['itl_p95'] * 1000:>6.0f}ms {r['tok_s']:>9.1f}")  # fmt: skip
+        by_c = {r["c"]: r for r in rows}
+        if 1 in by_c and 16 in by_c:
+            print(f"\ntokens/s at C=16 / C=1: {by_c[16]['tok_s'] / by_c[1]['tok_s']:.2f}x")
+        if args.infer_check:
+            await infer_check(client, base, args.model, args.max_tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="base URL of a running server (default: start one)")
+    parser.add_argument("--model", default="smollm2-135m-instruct-gptq")
+    parser.add_argument("--model-dir", default="models/smollm2-135m-instruct-gptq")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--infer-check", action="store_true")
+    args = parser.parse_args()
+    log_file = Path("/tmp/bench-serving-server.log")
+    if args.url:
+        context = nullcontext(args.url)
+    else:
+        context = local_server(args.model_dir, args.model, log_file)
+    with context as server:
+        base = server if isinstance(server, str) else server.base_url
+        asyncio.run(run(args, base))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""A `python -m predictor` subprocess on loopback ports, for the load scripts."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LocalServer:
+    process: subprocess.Popen[bytes]
+    http_port: int
+    grpc_port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return 0.0
+
+
+@contextmanager
+def local_server(
+    model_dir: str, model_name: str, log_file: Path, extra: Sequence[str] = ()
+) -> Iterator[LocalServer]:
+    """Start the server, wait until it is ready, stop it with SIGTERM at the end."""
+    http_port, grpc_port = free_port(), free_port()
+    with open(log_file, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "predictor", "--model-dir", model_dir,
+             "--model-name", model_name, "--http-port", str(http_port),
+             "--grpc-port", str(grpc_port), *extra],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    server = LocalServer(process, http_port, grpc_port)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"server exited with {process.returncode}; see {log_file}")
+            try:
+                if httpx.get(f"{server.base_url}/v2/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"server not ready; see {log_file}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                code = process.wait(60)
+                print(f"server exit code after SIGTERM: {code}")
+            except subprocess.TimeoutExpired:
+                process.kill()
