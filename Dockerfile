@@ -89,7 +89,7 @@ EXPOSE 8080 8081
 # The server listens only once the model is loaded; loading (and compiling kernels on first
 # start) can take minutes.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
-    CMD python -c "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/v2/health/ready', timeout=4).status==200 else 1)"
+    CMD ["python", "-c", "import urllib.request,sys; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/v2/health/ready', timeout=4).status==200 else 1)"]
 # KServe's storage-initializer puts the model at /mnt/models.
 CMD ["python", "-m", "predictor", "--model-dir", "/mnt/models", "--host", "0.0.0.0"]
 

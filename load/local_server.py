@@ -40,9 +40,17 @@ class LocalServer:
         return 0.0
 
 
+def _tail(log_file: Path, lines: int = 40) -> str:
+    return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
+
+
 @contextmanager
 def local_server(
-    model_dir: str, model_name: str, log_file: Path, extra: Sequence[str] = ()
+    model_dir: str,
+    model_name: str,
+    log_file: Path,
+    extra: Sequence[str] = (),
+    ready_timeout: float = 600.0,
 ) -> Iterator[LocalServer]:
     """Start the server, wait until it is ready, stop it with SIGTERM at the end."""
     http_port, grpc_port = free_port(), free_port()
@@ -55,17 +63,17 @@ def local_server(
         )  # fmt: skip
     server = LocalServer(process, http_port, grpc_port)
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + ready_timeout
         while True:
             if process.poll() is not None:
-                raise SystemExit(f"server exited with {process.returncode}; see {log_file}")
+                raise RuntimeError(f"server exited with {process.returncode}:\n{_tail(log_file)}")
             try:
                 if httpx.get(f"{server.base_url}/v2/health/ready", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit(f"server not ready; see {log_file}")
+                raise RuntimeError(f"server not ready in {ready_timeout:.0f} s:\n{_tail(log_file)}")
             time.sleep(0.5)
         yield server
     finally:

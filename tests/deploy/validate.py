@@ -22,10 +22,8 @@ import kserve.models as kserve_models
 import kubernetes.client as k8s_models
 import yaml
 
-CRD_PATH = (
-    Path(__file__).resolve().parents[3]
-    / "shared/reference/kserve-crd/serving.kserve.io_inferenceservices.yaml"
-)
+# A copy of KServe's CRD (Apache-2.0, see crd/SOURCE.md), so a fresh clone checks against it too.
+CRD_PATH = Path(__file__).resolve().parent / "crd" / "serving.kserve.io_inferenceservices.yaml"
 
 # ---- kserve SDK models ------------------------------------------------------------------------
 _LIST = re.compile(r"^(?:list|List)\[(.+)\]$")

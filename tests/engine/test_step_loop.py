@@ -93,18 +93,11 @@ def test_gptq_output_is_well_formed_and_repeatable(tiny_gptq: Any) -> None:
     assert run() == run()
 
 
-class PoisonRows:
-    """A runner that turns the logits of chosen rows into NaN (a request gone bad)."""
+class Delegating:
+    """A runner that forwards to a real one; fault injectors override one method."""
 
-    def __init__(self, inner: ModelRunner, poisoned: set[int]) -> None:
-        self.inner, self.poisoned, self.device = inner, poisoned, inner.device
-        self.loop: Any = None
-
-    def _poison(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
-        for row, seq in enumerate(seqs):
-            if id(seq) in self.poisoned and len(seq.output_ids) >= 2:
-                logits[row] = float("nan")
-        return logits
+    def __init__(self, inner: ModelRunner) -> None:
+        self.inner, self.device = inner, inner.device
 
     def bind_thread(self) -> None:
         self.inner.bind_thread()
@@ -113,13 +106,31 @@ class PoisonRows:
         return self.inner.prefill(prompts)
 
     def decode(self, last: list[int]) -> torch.Tensor:
-        return self._poison(self.inner.decode(last).clone(), self.loop.batch.rows)
+        return self.inner.decode(last)
 
     def keep(self, rows: list[int]) -> None:
         self.inner.keep(rows)
 
     def reset(self) -> None:
         self.inner.reset()
+
+
+class PoisonRows(Delegating):
+    """A runner that turns the logits of chosen rows into NaN (a request gone bad)."""
+
+    def __init__(self, inner: ModelRunner, poisoned: set[int]) -> None:
+        super().__init__(inner)
+        self.poisoned = poisoned
+        self.loop: Any = None
+
+    def _poison(self, logits: torch.Tensor, seqs: list[Any]) -> torch.Tensor:
+        for row, seq in enumerate(seqs):
+            if id(seq) in self.poisoned and len(seq.output_ids) >= 2:
+                logits[row] = float("nan")
+        return logits
+
+    def decode(self, last: list[int]) -> torch.Tensor:
+        return self._poison(self.inner.decode(last).clone(), self.loop.batch.rows)
 
 
 def test_poisoned_request_fails_alone(tiny_dense: Tiny) -> None:
@@ -141,29 +152,18 @@ def test_poisoned_request_fails_alone(tiny_dense: Tiny) -> None:
         assert sinks[i].token_ids == reference_greedy(tiny_dense, ps[i], 12)
 
 
-class FailOnce:
+class FailOnce(Delegating):
     """A runner whose next decode raises: the whole batch fails, later requests are served."""
 
     def __init__(self, inner: ModelRunner) -> None:
-        self.inner, self.device, self.armed = inner, inner.device, False
-
-    def bind_thread(self) -> None:
-        self.inner.bind_thread()
-
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        return self.inner.prefill(prompts)
+        super().__init__(inner)
+        self.armed = False
 
     def decode(self, last: list[int]) -> torch.Tensor:
         if self.armed:
             self.armed = False
             raise RuntimeError("device lost")
         return self.inner.decode(last)
-
-    def keep(self, rows: list[int]) -> None:
-        self.inner.keep(rows)
-
-    def reset(self) -> None:
-        self.inner.reset()
 
 
 def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_dense: Tiny) -> None:

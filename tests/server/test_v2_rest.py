@@ -107,6 +107,11 @@ def test_tritonclient_http(server: ServerProcess) -> None:
 @pytest.mark.parametrize("route", ["infer", "generate", "generate_stream", "infer_stream"])
 @pytest.mark.parametrize("content", ["{not json", "[1, 2]", '"text"', "", "\xff\xfe"])
 def test_malformed_bodies_are_4xx(server: ServerProcess, route: str, content: str) -> None:
-    r = httpx.post(f"{server.base_url}/v2/models/tiny/{route}", content=content.encode("latin-1"), headers={"content-type": "application/json"}, timeout=30)
+    r = httpx.post(
+        f"{server.base_url}/v2/models/tiny/{route}",
+        content=content.encode("latin-1"),
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert 400 <= r.status_code < 500, (r.status_code, r.text)
     assert r.json()["error"]
