@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,45 +28,40 @@ def read_stream(base: str, out: list[dict], started: threading.Event) -> None:
                 started.set()
 
 
-def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
-    with ServerProcess.start(
-        tiny_gptq_dir, "tiny", extra=["--drain-seconds", "30", "--max-tokens-limit", "512"]
-    ) as srv:
+@contextmanager
+def stream_then_sigterm(
+    model_dir: Path, drain_seconds: int
+) -> Iterator[tuple[ServerProcess, list[dict]]]:
+    """A server with one long stream under way, sent SIGTERM; it must exit 0 by the block's end."""
+    extra = ["--drain-seconds", str(drain_seconds), "--max-tokens-limit", "512"]
+    with ServerProcess.start(model_dir, "tiny", extra=extra) as srv:
         events: list[dict] = []
         started = threading.Event()
         reader = threading.Thread(target=read_stream, args=(srv.base_url, events, started))
         reader.start()
         assert started.wait(30)
         srv.process.send_signal(signal.SIGTERM)
+        yield srv, events
+        reader.join(60)
+        assert srv.process.wait(30) == 0
+
+
+def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
+    with stream_then_sigterm(tiny_gptq_dir, drain_seconds=30) as (srv, events):
         ready = httpx.get(f"{srv.base_url}/v2/health/ready", timeout=5)
         assert ready.status_code == 503
         refused = httpx.post(
             f"{srv.base_url}/v2/models/tiny/generate", json={"text_input": "x"}, timeout=5
         )
         assert refused.status_code == 503 and refused.json()["error"]
-        infer = {
-            "inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}]
-        }
-        assert (
-            httpx.post(f"{srv.base_url}/v2/models/tiny/infer", json=infer, timeout=5).status_code
-            == 503
-        )
-        reader.join(60)
-        assert srv.process.wait(30) == 0
+        tensor = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}
+        infer = httpx.post(f"{srv.base_url}/v2/models/tiny/infer", json={"inputs": [tensor]})
+        assert infer.status_code == 503
     assert events[-1]["finish_reason"] == "length"
     assert events[-1]["details"]["generated_tokens"] == 500
 
 
 def test_grace_period_ends_leftover_streams_with_an_error_event(tiny_gptq_dir: Path) -> None:
-    with ServerProcess.start(
-        tiny_gptq_dir, "tiny", extra=["--drain-seconds", "0", "--max-tokens-limit", "512"]
-    ) as srv:
-        events: list[dict] = []
-        started = threading.Event()
-        reader = threading.Thread(target=read_stream, args=(srv.base_url, events, started))
-        reader.start()
-        assert started.wait(30)
-        srv.process.send_signal(signal.SIGTERM)
-        reader.join(60)
-        assert srv.process.wait(30) == 0
+    with stream_then_sigterm(tiny_gptq_dir, drain_seconds=0) as (_, events):
+        pass
     assert "error" in events[-1] and "stopped" in events[-1]["error"]
