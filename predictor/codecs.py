@@ -192,19 +192,30 @@ def encode_infer_response(
     gRPC answers carry BYTES in raw_output_contents (tritonclient with numpy 2 cannot read
     BYTES from `contents`).
     """
-    texts = [c.text for c in completions]
-    output = InferOutput(name=TEXT_OUTPUT, shape=[len(texts)], datatype="BYTES")
-    if request.from_grpc:
-        output.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))
-    else:
-        output.data = texts
     parameters = {
         "prompt_tokens": sum(c.usage.prompt_tokens for c in completions),
         "generated_tokens": sum(c.usage.generated_tokens for c in completions),
         "finish_reason": ",".join(c.finish_reason.value for c in completions),
     }
+    texts = [c.text for c in completions]
+    return _text_response(request, model_name, completions[0].request_id, texts, parameters)
+
+
+def _text_response(
+    request: InferRequest,
+    model_name: str,
+    fallback_id: str,
+    texts: list[str],
+    parameters: dict[str, Any] | None,
+) -> InferResponse:
+    """`text_output` BYTES [len(texts)]: JSON strings over REST, raw BYTES over gRPC."""
+    output = InferOutput(name=TEXT_OUTPUT, shape=[len(texts)], datatype="BYTES")
+    if request.from_grpc:
+        output.set_data_from_numpy(np.array([t.encode() for t in texts], dtype=np.object_))
+    else:
+        output.data = texts
     return InferResponse(
-        response_id=request.id or completions[0].request_id,
+        response_id=request.id or fallback_id,
         model_name=model_name,
         infer_outputs=[output],
         from_grpc=request.from_grpc,
@@ -273,22 +284,10 @@ def infer_stream_response(
     request: InferRequest, model_name: str, event: TokenEvent
 ) -> InferResponse:
     """A V2 response carrying one text delta; the last one has finish_reason and usage."""
-    output = InferOutput(name=TEXT_OUTPUT, shape=[1], datatype="BYTES")
-    if request.from_grpc:
-        output.set_data_from_numpy(np.array([event.text.encode()], dtype=np.object_))
-    else:
-        output.data = [event.text]
-    parameters: dict[str, Any] = {}
+    parameters = None
     if event.final and event.finish_reason is not None and event.usage is not None:
         parameters = _details(event.finish_reason, event.usage)
-    return InferResponse(
-        response_id=request.id or event.request_id,
-        model_name=model_name,
-        infer_outputs=[output],
-        from_grpc=request.from_grpc,
-        parameters=parameters or None,
-        use_binary_outputs=request.from_grpc,
-    )
+    return _text_response(request, model_name, event.request_id, [event.text], parameters)
 
 
 # -- OpenAPI descriptions of the bodies our routes read (KServe's app serves /openapi.json) ----

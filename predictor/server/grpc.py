@@ -19,9 +19,9 @@ from kserve import InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 
 from predictor import codecs
-from predictor.errors import EngineUnavailable, InvalidRequest, PredictorError
+from predictor.errors import InvalidRequest, PredictorError
 from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
-from predictor.server.rest import ModelMissing, Resolve
+from predictor.server.rest import Resolve, ready_model
 from predictor.types import TokenEvent
 
 SERVICE = "inference.GRPCInferenceService"
@@ -61,11 +61,7 @@ class StreamInferServicer:
 
     async def _serve(self, request: pb.ModelInferRequest, out: asyncio.Queue[Any]) -> None:
         try:
-            model = self._resolve(request.model_name)
-            if model is None:
-                raise ModelMissing(f"Model with name {request.model_name} does not exist.")
-            if not model.ready or not model.llm.health():
-                raise EngineUnavailable(f"Model with name {request.model_name} is not ready.")
+            model = ready_model(self._resolve, request.model_name)
             v2 = InferRequest.from_grpc(request)
             (req, *more) = codecs.decode_infer_request(v2, model.default_max_tokens)
             if more:

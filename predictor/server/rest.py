@@ -47,6 +47,16 @@ class ModelMissing(PredictorError):
     pass
 
 
+def ready_model(resolve: Resolve, name: str) -> ServedModel:
+    """The served model of that name, ready for requests; else ModelMissing / EngineUnavailable."""
+    model = resolve(name)
+    if model is None:
+        raise ModelMissing(f"Model with name {name} does not exist.")
+    if not model.ready or not model.llm.health():
+        raise EngineUnavailable(f"Model with name {name} is not ready.")
+    return model
+
+
 def error_response(exc: PredictorError) -> JSONResponse:
     status, headers = 500, {}
     if isinstance(exc, InvalidRequest):
@@ -106,16 +116,8 @@ async def read_json(request: Request) -> Any:
 def build_router(resolve: Resolve) -> APIRouter:
     router = APIRouter()
 
-    def model_for(name: str) -> ServedModel:
-        model = resolve(name)
-        if model is None:
-            raise ModelMissing(f"Model with name {name} does not exist.")
-        if not model.ready or not model.llm.health():
-            raise EngineUnavailable(f"Model with name {name} is not ready.")
-        return model
-
     async def parse_generate(request: Request, name: str) -> tuple[ServedModel, GenerateRequest]:
-        model = model_for(name)
+        model = ready_model(resolve, name)
         body = await read_json(request)
         return model, codecs.decode_generate_request(body, model.default_max_tokens)
 
@@ -138,7 +140,7 @@ def build_router(resolve: Resolve) -> APIRouter:
 
     async def infer_stream(request: Request, model_name: str) -> Response:
         try:
-            model = model_for(model_name)
+            model = ready_model(resolve, model_name)
             body = await read_json(request)
             try:
                 v2 = InferRequest.from_inference_request(
