@@ -125,15 +125,38 @@ def sampling_from_parameters(params: Mapping[str, Any], default_max_tokens: int)
     seed = _integer(params, "seed", None)
     if seed is not None and not 0 <= seed < 2**63:
         raise InvalidRequest("parameter 'seed' must be a non-negative 64-bit integer")
-    return SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stop(params))
+    ignore_eos = _boolean(params, "ignore_eos", False)
+    min_tokens = _integer(params, "min_tokens", 0)
+    assert min_tokens is not None
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequest(
+            f"parameter 'min_tokens' must be between 0 and max_tokens ({max_tokens}), "
+            f"got {min_tokens}"
+        )
+    return SamplingParams(
+        max_tokens,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        _stop(params),
+        ignore_eos=ignore_eos,
+        min_tokens=min_tokens,
+    )
+
+
+def _boolean(params: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = params.get(name)
+    if value is None:  # absent, or JSON null: the default
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"parameter '{name}' must be a boolean, got {value!r}")
+    return value
 
 
 def request_options(params: Mapping[str, Any]) -> tuple[bool, float | None]:
     """The non-sampling options: chat (apply the chat template) and timeout (seconds)."""
-    chat = params.get("chat")
-    chat = False if chat is None else chat
-    if not isinstance(chat, bool):
-        raise InvalidRequest(f"parameter 'chat' must be a boolean, got {chat!r}")
+    chat = _boolean(params, "chat", False)
     timeout = params.get("timeout")
     if timeout is not None:
         timeout = _number(params, "timeout", 0.0)
@@ -310,6 +333,8 @@ _PARAMETERS_SCHEMA: dict[str, Any] = {
                 },
             ]
         },
+        "ignore_eos": {"type": "boolean"},
+        "min_tokens": {"type": "integer", "minimum": 0},
         "chat": {"type": "boolean"},
         "timeout": {"type": "number", "exclusiveMinimum": 0},
         "details": {"type": "boolean"},

@@ -25,10 +25,20 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # keep generating past end-of-sequence tokens (benchmarks)
+    min_tokens: int = 0  # end-of-sequence tokens and stop strings cannot end the request before
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated text
+    # None: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,25 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str  # the token's own text (may be a partial UTF-8 character, decoded with U+FFFD)
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token under the model's raw distribution
+    (log_softmax of the logits, before temperature, penalties, top-k or top-p, as vLLM and
+    OpenAI report it), with the `top` most likely tokens when the request asked for them."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of one request: the new text (possibly empty while a stop prefix is held back).
 
@@ -60,6 +89,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry, when the request asked
 
     @property
     def final(self) -> bool:
@@ -74,3 +104,4 @@ class Completion:
     text: str
     finish_reason: FinishReason
     usage: Usage
+    logprobs: tuple[TokenLogprob, ...] = ()

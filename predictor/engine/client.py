@@ -6,7 +6,13 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from predictor.errors import GenerationFailed
-from predictor.types import Completion, FinishReason, GenerateRequest, TokenEvent
+from predictor.types import (
+    Completion,
+    FinishReason,
+    GenerateRequest,
+    TokenEvent,
+    TokenLogprob,
+)
 
 
 class EngineClient(Protocol):
@@ -46,15 +52,19 @@ class EngineClient(Protocol):
 async def complete(events: AsyncIterator[TokenEvent]) -> Completion:
     """Run one request's events to the end and collect its text (the unary endpoints' path)."""
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     try:
         async for event in events:
             parts.append(event.text)
+            logprobs.extend(event.logprobs)
             if event.final:
                 assert event.finish_reason is not None and event.usage is not None
                 if event.finish_reason is FinishReason.ERROR:
                     raise GenerationFailed(event.error or "generation failed")
                 text = "".join(parts)
-                return Completion(event.request_id, text, event.finish_reason, event.usage)
+                return Completion(
+                    event.request_id, text, event.finish_reason, event.usage, tuple(logprobs)
+                )
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     raise GenerationFailed("the engine ended the request without a final event")
