@@ -34,19 +34,86 @@ def parse_args() -> argparse.Namespace:
         "--poisson-rate", type=float, default=0.0, help="req/s (0: 60%% of capacity)"
     )
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--null",
+        action="store_true",
+        help="no model: a null runner returns logits at no cost; measures the engine alone",
+    )
+    parser.add_argument("--null-batches", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--null-steps", type=int, default=200)
     return parser.parse_args()
+
+
+def null_main(args: argparse.Namespace) -> None:
+    """The engine's own cost: scheduler, step loop, sampling, detokenizer, asyncio consumers."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from predictor.engine.async_engine import AsyncEngine
+    from predictor.engine.kv_cache import BlockAllocator
+    from predictor.engine.null_runner import NullRunner
+    from predictor.engine.scheduler import Scheduler
+    from predictor.engine.step_loop import StepLoop
+    from predictor.types import GenerateRequest, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+    print(f"null runner, tokenizer of {args.model_dir}, {args.null_steps} tokens per request")
+    print(f"{'batch':>6} {'tok/s':>9} {'engine ms/step':>15} {'us/row':>7}")
+    for batch in args.null_batches:
+        steps: list[float] = []
+        allocator = BlockAllocator(1 << 16, 16)
+        runner = NullRunner(len(tok), allocator.num_blocks, allocator.block_size, batch)
+        loop = StepLoop(
+            runner,
+            Scheduler(batch, batch),
+            frozenset(),
+            allocator,
+            max_step_tokens=max(4096, 2 * batch),
+            on_step=lambda rows, out=steps: out.append(time.perf_counter()),
+        )
+        engine = AsyncEngine(loop, tok, max_tokens_limit=4096, max_prompt_tokens=4096)
+        params = SamplingParams(max_tokens=args.null_steps, ignore_eos=True)
+
+        async def one(i: int, eng: AsyncEngine = engine, p: SamplingParams = params) -> int:
+            req = GenerateRequest(f"n{i}", prompts[i % len(prompts)], p)
+            count = 0
+            async for event in eng.generate(req):
+                count += len(event.token_ids)
+            return count
+
+        async def run(n: int = batch) -> tuple[int, float]:
+            started = time.perf_counter()
+            counts = await asyncio.gather(*(one(i) for i in range(n)))
+            return sum(counts), time.perf_counter() - started
+
+        engine.start()
+        try:
+            tokens, seconds = asyncio.run(run())
+        finally:
+            engine.stop()
+        gaps = sorted(b - a for a, b in zip(steps[1:], steps[2:], strict=False))
+        per_step = statistics.median(gaps) if gaps else float("nan")
+        print(
+            f"{batch:>6} {tokens / seconds:9.0f} {per_step * 1000:15.2f} "
+            f"{per_step / batch * 1e6:7.1f}"
+        )
 
 
 def main() -> None:
     args = parse_args()
+    if args.null:
+        null_main(args)
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
+    from prometheus_client import CollectorRegistry
 
+    from predictor.__main__ import build_engine
     from predictor.engine.async_engine import AsyncEngine
-    from predictor.engine.runner import ModelRunner
-    from predictor.engine.scheduler import Scheduler
-    from predictor.engine.step_loop import StepLoop
+    from predictor.metrics import Metrics
     from predictor.model.loader import load_checkpoint
+    from predictor.settings import Settings
     from predictor.types import GenerateRequest, SamplingParams
 
     # As the server does: one torch thread on the main thread; parallel torch work only on the
@@ -84,11 +151,10 @@ def main() -> None:
     print(f"\nsequential generate: {sequential:7.1f} tok/s (batch 1)")
 
     def engine() -> AsyncEngine:
-        runner = ModelRunner(loaded.model, loaded.device, loaded.pad_token_id, args.threads)
-        loop = StepLoop(runner, Scheduler(64, 1 << 20, 1024), eos_ids=frozenset())
-        return AsyncEngine(loop, tok, max_tokens_limit=4096, max_prompt_tokens=4096)
+        settings = Settings(max_batch_size=64, max_waiting=1024, threads=args.threads)
+        return build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
 
-    params = SamplingParams(max_tokens=args.new_tokens)
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
 
     async def one(eng: AsyncEngine, i: int, arrive: float = 0.0) -> tuple[float, int]:
         await asyncio.sleep(arrive)

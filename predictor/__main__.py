@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from prometheus_client import REGISTRY
 
 from predictor.engine.async_engine import AsyncEngine
-from predictor.engine.runner import ModelRunner
+from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.runner import ModelRunner, UnsupportedModel
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
@@ -27,14 +28,26 @@ log = logging.getLogger("predictor")
 
 def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> AsyncEngine:
     """Runner, scheduler and step loop behind the asyncio front."""
-    runner = ModelRunner(
-        loaded.model, loaded.device, loaded.pad_token_id, threads=settings.torch_threads
+    allocator = BlockAllocator(
+        blocks_for(settings.max_cache_tokens, settings.kv_block_size), settings.kv_block_size
     )
-    scheduler = Scheduler(settings.max_batch_size, settings.max_cache_tokens, settings.max_waiting)
+    try:
+        runner = ModelRunner(
+            loaded.model,
+            loaded.device,
+            allocator.num_blocks,
+            allocator.block_size,
+            threads=settings.torch_threads,
+        )
+    except UnsupportedModel as exc:
+        raise CheckpointError(str(exc)) from exc
+    scheduler = Scheduler(settings.max_batch_size, settings.max_waiting)
     step_loop = StepLoop(
         runner,
         scheduler,
         loaded.eos_ids,
+        allocator,
+        max_step_tokens=settings.max_step_tokens,
         on_step=metrics.observe_batch,
         on_admit=metrics.observe_queue,
     )
@@ -69,7 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     name = settings.served_model_name
     metrics = Metrics(REGISTRY, name)
-    engine = build_engine(loaded, settings, metrics)
+    try:
+        engine = build_engine(loaded, settings, metrics)
+    except CheckpointError as exc:
+        print(f"predictor: {exc}", file=sys.stderr)
+        return 2
     predictor = LLMPredictor(name, engine, settings.default_max_tokens, metrics)
     predictor.load()
     log.info(

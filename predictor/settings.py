@@ -28,7 +28,9 @@ class Settings:
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
-    max_cache_tokens: int = 32768  # KV-cache budget: sum of (prompt + max_tokens) over running rows
+    max_cache_tokens: int = 32768  # KV-cache size in tokens (each row reserves prompt + max_tokens)
+    kv_block_size: int = 16  # tokens per KV-cache block
+    max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
     max_waiting: int = 64
@@ -64,6 +66,12 @@ class Settings:
             raise ValueError("--default-max-tokens must not exceed --max-tokens-limit")
         if self.max_batch_size < 1 or self.max_waiting < 0:
             raise ValueError("--max-batch-size must be >= 1 and --max-waiting >= 0")
+        if self.kv_block_size < 1 or self.max_cache_tokens < self.kv_block_size:
+            raise ValueError(
+                "--kv-block-size must be >= 1 and --max-cache-tokens at least one block"
+            )
+        if self.max_step_tokens <= self.max_batch_size:
+            raise ValueError("--max-step-tokens must exceed --max-batch-size (room for prefill)")
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
@@ -88,7 +96,10 @@ _HELP = {
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",
-    "max_cache_tokens": "KV-cache token budget over the running batch",
+    "max_cache_tokens": "KV-cache size in tokens; a request reserves prompt + max_tokens of it",
+    "kv_block_size": "tokens per KV-cache block",
+    "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
+    "a long prompt's prefill may pause the running streams",
     "max_waiting": "most requests waiting for a batch row; more are refused",
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "

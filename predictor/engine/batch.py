@@ -1,4 +1,4 @@
-"""The running batch: one Sequence per request, in the same order as the runner's cache rows."""
+"""The running batch: one Sequence per request holding KV-cache blocks, prefilling or decoding."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from predictor.engine.detokenizer import IncrementalDetokenizer
-from predictor.types import FinishReason, SamplingParams, TokenEvent, Usage
+from predictor.types import FinishReason, SamplingParams, TokenEvent, TokenLogprob, Usage
 
 EventSink = Callable[[TokenEvent], None]
 
@@ -28,6 +28,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     aborted: bool = False
     finish_reason: FinishReason | None = None
+    blocks: list[int] = field(default_factory=list)  # KV-cache block table, in position order
+    reserved_blocks: int = 0  # blocks promised to this row at admission
+    cached: int = 0  # tokens whose keys and values the cache holds
 
     @property
     def budget_tokens(self) -> int:
@@ -35,11 +38,17 @@ class Sequence:
         return len(self.prompt_ids) + self.params.max_tokens
 
     @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.prompt_ids)
+
+    @property
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), generated_tokens=len(self.output_ids))
 
-    def emit(self, text: str, token_ids: tuple[int, ...] = ()) -> None:
-        self.sink(TokenEvent(self.request_id, text, token_ids))
+    def emit(
+        self, text: str, token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = ()
+    ) -> None:
+        self.sink(TokenEvent(self.request_id, text, token_ids, logprobs=logprobs))
 
     def finish(
         self,
@@ -47,16 +56,17 @@ class Sequence:
         text: str = "",
         error: str | None = None,
         token_ids: tuple[int, ...] = (),
+        logprobs: tuple[TokenLogprob, ...] = (),
     ) -> None:
         """Send the final event (once)."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
-        self.sink(TokenEvent(self.request_id, text, token_ids, reason, self.usage, error))
+        self.sink(TokenEvent(self.request_id, text, token_ids, reason, self.usage, error, logprobs))
 
 
 class Batch:
-    """Sequences holding a row of the shared cache; row i of the runner is `rows[i]`."""
+    """Sequences admitted to the cache, oldest first."""
 
     def __init__(self) -> None:
         self.rows: list[Sequence] = []
@@ -64,17 +74,12 @@ class Batch:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def budget_tokens(self) -> int:
-        return sum(seq.budget_tokens for seq in self.rows)
-
     def extend(self, seqs: list[Sequence]) -> None:
         self.rows.extend(seqs)
 
-    def remove_finished(self) -> list[int] | None:
-        """Drop finished rows; return the indices kept (None when nothing changed)."""
-        kept = [i for i, seq in enumerate(self.rows) if seq.finish_reason is None]
-        if len(kept) == len(self.rows):
-            return None
-        self.rows = [self.rows[i] for i in kept]
-        return kept
+    def remove_finished(self) -> list[Sequence]:
+        """Drop finished rows; return them."""
+        gone = [seq for seq in self.rows if seq.finish_reason is not None]
+        if gone:
+            self.rows = [seq for seq in self.rows if seq.finish_reason is None]
+        return gone

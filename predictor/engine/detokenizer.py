@@ -6,21 +6,77 @@ appears, the text before it is released and the request stops.
 
 from __future__ import annotations
 
+import codecs
+import random
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def byte_table(tokenizer: Any, checks: int = 64) -> list[bytes] | None:
+    """Each token's bytes, for tokenizers whose decode is plain byte concatenation.
+
+    Byte-level BPE (GPT-2's scheme, SmolLM2's and Llama 3's) decodes a token list by joining
+    the tokens' bytes; with this table a request's text grows by one lookup per token instead of
+    two tokenizer calls. Special tokens are empty (skip_special_tokens). The table is checked
+    against the tokenizer's own decode on random token lists; None when the tokenizer is of
+    another kind or any check differs, and the detokenizer then calls decode.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) or backend.normalizer:
+        return None
+    byte_of = {char: byte for byte, char in _bytes_to_unicode().items()}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    table: list[bytes] = []
+    for token_id, token in enumerate(tokenizer.convert_ids_to_tokens(range(len(tokenizer)))):
+        if token_id in added:
+            table.append(b"" if added[token_id].special else added[token_id].content.encode())
+        elif token is None or any(c not in byte_of for c in token):
+            return None
+        else:
+            table.append(bytes(byte_of[c] for c in token))
+    rng = random.Random(0)
+    for _ in range(checks):
+        ids = [rng.randrange(len(table)) for _ in range(rng.randint(1, 12))]
+        joined = b"".join(table[i] for i in ids).decode("utf-8", errors="replace")
+        if joined != tokenizer.decode(ids, skip_special_tokens=True):
+            return None
+    return table
+
+
 # How many prompt tokens to decode with, so the first generated token keeps its leading space.
 _CONTEXT_TOKENS = 5
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: printable bytes stand for themselves, others are shifted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    chars = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + shifted)
+            shifted += 1
+    return chars
+
+
 class IncrementalDetokenizer:
-    def __init__(self, decoder: Decoder, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+    def __init__(
+        self,
+        decoder: Decoder,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str],
+        table: list[bytes] | None = None,
+    ) -> None:
         self._decoder = decoder
+        self._table = table  # byte_table(tokenizer): one lookup per token instead of decode
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -28,13 +84,27 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded, not yet released
         self.stopped = False
 
-    def push(self, token_id: int) -> str:
-        """Add one generated token; return the text that may be released now."""
+    def push(self, token_id: int, check_stop: bool = True) -> str:
+        """Add one generated token; return the text that may be released now.
+
+        With check_stop False (a request short of its min_tokens) stop strings are not looked
+        for: the text so far is released whole.
+        """
         if self.stopped:
             return ""
-        self._ids.append(token_id)
-        self._pending += self._decode_delta()
+        if self._table is not None:
+            self._pending += self._utf8.decode(self._table[token_id])
+        else:
+            self._ids.append(token_id)
+            self._pending += self._decode_delta()
+        if not check_stop:
+            text, self._pending = self._pending, ""
+            return text
         return self._release(final=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (logprobs report it), special tokens included."""
+        return self._decoder.decode([token_id], skip_special_tokens=False)
 
     def flush(self) -> str:
         """The request ends (length or eos): release what was held back for stop prefixes."""

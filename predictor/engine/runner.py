@@ -1,31 +1,87 @@
-"""Forward passes over one shared KV cache whose rows are requests.
+"""Forward passes over a paged KV cache: every row's new tokens in one flat batch.
 
-Rows are left-padded to a common length; every row carries its own positions, so a row's
-tokens see exactly what they would see alone. New rows are prefilled together and merged in
-between decode steps; rows are dropped by index at once.
+One step feeds each decode row its last token and each prefilling row the next chunk of its
+prompt, all as one flat sequence of N tokens, so the linear layers (the GPTQ kernels) run once
+per layer over all N. Only attention is per row: each row's keys and values live in the blocks
+of its block table in one preallocated pool per layer, new ones are written in place (O(new
+tokens) per step), and attention reads a row's own positions only.
+
+The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
+Linear replacement works; attention and the cache are ours. Llama-family decoders only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+
+
+@dataclass
+class StepRow:
+    """One row's part of a forward pass."""
+
+    blocks: Sequence[int]  # the row's block table, covering positions [0, start + len(tokens))
+    start: int  # position of tokens[0]: how many of the row's tokens the cache already holds
+    tokens: Sequence[int]  # fed this step: 1 for a decode row, a prompt chunk for a prefill row
+    logits: bool  # whether the step must return logits for the last of `tokens`
+
+
+class UnsupportedModel(ValueError):
+    pass
 
 
 class ModelRunner:
     def __init__(
-        self, model: Any, device: torch.device, pad_token_id: int, threads: int = 0
+        self,
+        model: Any,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int = 16,
+        threads: int = 0,
     ) -> None:
+        model_type = getattr(model.config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model type {model_type!r} is not supported (supported: "
+                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+            )
         self.model = model
         self.device = device
-        self.pad_token_id = pad_token_id
         self.threads = threads
-        self._cache: DynamicCache | None = None
-        self._mask: torch.Tensor | None = None  # [B, T] 1 for real tokens, 0 for left padding
-        self._positions: torch.Tensor | None = None  # [B] position of each row's next token
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        decoder = model.model
+        self._embed = decoder.embed_tokens
+        self._layers = list(decoder.layers)
+        self._norm = decoder.norm
+        self._rotary = decoder.rotary_emb
+        self._lm_head = model.lm_head
+        config = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.scale = float(self._layers[0].self_attn.scaling)
+        dtype = self._embed.weight.dtype
+        slots = num_blocks * block_size
+        # per layer: keys and values of every token slot plus one zero slot that padding reads
+        # (masked keys must still be finite: 0 * NaN is NaN), [slots + 1, kv_heads, head_dim];
+        # empty, so pages are touched (and count in RSS) only as the cache fills
+        self._keys = [
+            torch.empty((slots + 1, self.kv_heads, self.head_dim), dtype=dtype, device=device)
+            for _ in self._layers
+        ]
+        self._values = [torch.empty_like(k) for k in self._keys]
+        for pool in (*self._keys, *self._values):
+            pool[slots].zero_()
+        self._pad_slot = slots
 
     def bind_thread(self) -> None:
         """Called first on the thread that will run the forward passes.
@@ -38,95 +94,158 @@ class ModelRunner:
             torch.set_num_threads(self.threads)
 
     @property
-    def rows(self) -> int:
-        return 0 if self._mask is None else int(self._mask.shape[0])
-
-    @property
-    def cache_columns(self) -> int:
-        return 0 if self._mask is None else int(self._mask.shape[1])
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run the prompts as new rows appended after the current ones; last-token logits [n, V]."""
-        n, width = len(prompts), max(len(p) for p in prompts)
-        ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)  # [n, S]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=DynamicCache(config=self.model.config),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._merge(out.past_key_values, mask, mask.sum(dim=-1))
-        return out.logits[:, -1, :].float()
+    def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """Run one step; logits [number of rows with `logits`, V] (float32), in row order."""
+        plan = _Plan.build(rows, self.block_size, self._pad_slot, self.device)
+        ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
+        hidden = self._embed(ids).unsqueeze(0)  # [1, N, hidden]
+        positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+        cos, sin = self._rotary(hidden, positions.unsqueeze(0))  # [1, N, head_dim] each
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, head_dim]
+        for index, layer in enumerate(self._layers):
+            residual = hidden
+            normed = layer.input_layernorm(hidden)
+            hidden = residual + self._attention(index, layer.self_attn, normed, cos, sin, plan)
+            residual = hidden
+            hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+        last = hidden[0].index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        return self._lm_head(self._norm(last)).float()  # [R, V]
 
-    @torch.inference_mode()
-    def decode(self, last_tokens: Sequence[int]) -> torch.Tensor:
-        """One token for every row; logits [B, V]."""
-        assert self._cache is not None and self._mask is not None and self._positions is not None
-        ids = torch.tensor(last_tokens, dtype=torch.long, device=self.device).unsqueeze(1)
-        ones = torch.ones((self.rows, 1), dtype=self._mask.dtype, device=self.device)
-        mask = torch.cat([self._mask, ones], dim=1)  # [B, T + 1]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=self._positions.unsqueeze(1),
-            past_key_values=self._cache,
-            use_cache=True,
-        )
-        self._mask = mask
-        self._positions = self._positions + 1
-        return out.logits[:, -1, :].float()
-
-    def keep(self, rows: Sequence[int]) -> None:
-        """Keep only these rows (in this order); drop cache columns no remaining row uses."""
-        if not rows:
-            self.reset()
-            return
-        assert self._cache is not None and self._mask is not None and self._positions is not None
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        mask = self._mask.index_select(0, index)
-        first_used = int(mask.any(dim=0).long().argmax().item())
-        self._mask = mask[:, first_used:]
-        self._positions = self._positions.index_select(0, index)
-        for layer in _layers(self._cache):
-            layer.keys = layer.keys.index_select(0, index)[:, :, first_used:]
-            layer.values = layer.values.index_select(0, index)[:, :, first_used:]
-
-    def reset(self) -> None:
-        self._cache, self._mask, self._positions = None, None, None
-
-    def _merge(self, cache: DynamicCache, mask: torch.Tensor, positions: torch.Tensor) -> None:
-        if self._cache is None or self._mask is None or self._positions is None:
-            self._cache, self._mask, self._positions = cache, mask, positions
-            return
-        old_width, new_width = self._mask.shape[1], mask.shape[1]
-        width = max(old_width, new_width)
-        self._mask = torch.cat(
-            [F.pad(self._mask, (width - old_width, 0)), F.pad(mask, (width - new_width, 0))]
-        )
-        self._positions = torch.cat([self._positions, positions])
-        for old, new in zip(_layers(self._cache), _layers(cache), strict=True):
-            # keys/values: [B, H, T, D]; pad T on the left
-            old.keys = torch.cat(
-                [_pad_left(old.keys, width - old_width), _pad_left(new.keys, width - new_width)]
+    def _attention(
+        self,
+        index: int,
+        attn: Any,
+        hidden: torch.Tensor,  # [1, N, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        plan: _Plan,
+    ) -> torch.Tensor:
+        n = hidden.shape[1]
+        q = attn.q_proj(hidden).view(n, self.heads, self.head_dim)
+        k = attn.k_proj(hidden).view(n, self.kv_heads, self.head_dim)
+        v = attn.v_proj(hidden).view(n, self.kv_heads, self.head_dim)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = self._keys[index], self._values[index]
+        keys.index_copy_(0, plan.write_slots, k.to(keys.dtype))
+        values.index_copy_(0, plan.write_slots, v.to(values.dtype))
+        out = torch.empty_like(q)  # [N, heads, head_dim]
+        if plan.decode_rows:
+            d = plan.decode_rows
+            # the decode rows' keys: [d, L, kv_heads, head_dim] -> [d, kv_heads, L, head_dim]
+            row_keys = keys[plan.decode_slots].transpose(1, 2)
+            row_values = values[plan.decode_slots].transpose(1, 2)
+            query = q[:d].unsqueeze(2)  # [d, heads, 1, head_dim]
+            attended = F.scaled_dot_product_attention(
+                query,
+                row_keys,
+                row_values,
+                attn_mask=plan.decode_mask,
+                scale=self.scale,
+                enable_gqa=self.heads != self.kv_heads,
             )
-            old.values = torch.cat(
-                [_pad_left(old.values, width - old_width), _pad_left(new.values, width - new_width)]
+            out[:d] = attended.squeeze(2)
+        for first, count, slots, mask in plan.prefills:
+            query = q[first : first + count].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
+            row_keys = keys[slots].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, T, hd]
+            row_values = values[slots].transpose(0, 1).unsqueeze(0)
+            attended = F.scaled_dot_product_attention(
+                query,
+                row_keys,
+                row_values,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=self.heads != self.kv_heads,
             )
+            out[first : first + count] = attended[0].transpose(0, 1)
+        return attn.o_proj(out.view(1, n, self.heads * self.head_dim))
 
 
-def _layers(cache: DynamicCache) -> list[Any]:
-    """The cache's per-layer key/value holders (each has .keys and .values: [B, H, T, D])."""
-    return list(cache.layers)
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _pad_left(kv: torch.Tensor, columns: int) -> torch.Tensor:
-    return F.pad(kv, (0, 0, columns, 0)) if columns else kv
+@dataclass
+class _Plan:
+    """Index tensors of one step, built once and shared by every layer."""
+
+    ids: list[int]
+    positions: list[int]
+    write_slots: torch.Tensor  # [N]: the cache slot of every fed token
+    decode_rows: int  # the first decode_rows rows feed one token each
+    decode_slots: torch.Tensor  # [d, L]: each decode row's slots for positions 0..L-1
+    decode_mask: torch.Tensor | None  # [d, 1, 1, L] True where a key exists
+    # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    logit_rows: list[int]  # flat index of the last token of each row that wants logits
+
+    @classmethod
+    def build(
+        cls, rows: Sequence[StepRow], block_size: int, pad_slot: int, device: torch.device
+    ) -> _Plan:
+        ids: list[int] = []
+        positions: list[int] = []
+        writes: list[int] = []
+        logit_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        decode_rows = 0
+        for row in rows:
+            count, end = len(row.tokens), row.start + len(row.tokens)
+            first = len(ids)
+            ids.extend(row.tokens)
+            positions.extend(range(row.start, end))
+            writes.extend(_slots(row.blocks, row.start, end, block_size))
+            if row.logits:
+                logit_rows.append(first + count - 1)
+            if count == 1 and row.start > 0 and not prefills:
+                decode_rows += 1
+                decode_tables.append(list(row.blocks))
+                decode_lengths.append(end)
+                continue
+            slots = torch.tensor(_slots(row.blocks, 0, end, block_size), device=device)
+            mask = None
+            if row.start:  # query i (position start + i) sees keys 0..start + i
+                keys_at = torch.arange(end, device=device)
+                queries_at = torch.arange(row.start, end, device=device).unsqueeze(1)
+                mask = (keys_at <= queries_at).view(1, 1, count, end)
+            prefills.append((first, count, slots, mask))
+        decode_slots = torch.empty(0, dtype=torch.long)
+        decode_mask = None
+        if decode_rows:
+            longest = max(decode_lengths)
+            widest = max(len(t) for t in decode_tables)
+            tables = torch.tensor(
+                [t + [0] * (widest - len(t)) for t in decode_tables], device=device
+            )  # [d, widest]; padding blocks are masked out below
+            offsets = torch.arange(block_size, device=device).repeat(widest)
+            decode_slots = (tables * block_size).repeat_interleave(block_size, dim=1) + offsets
+            decode_slots = decode_slots[:, :longest]  # [d, longest]
+            if min(decode_lengths) < longest:
+                lengths = torch.tensor(decode_lengths, device=device).unsqueeze(1)
+                exists = torch.arange(longest, device=device) < lengths  # [d, longest]
+                decode_slots = decode_slots.masked_fill(~exists, pad_slot)
+                decode_mask = exists.view(decode_rows, 1, 1, longest)
+        return cls(
+            ids,
+            positions,
+            torch.tensor(writes, dtype=torch.long, device=device),
+            decode_rows,
+            decode_slots,
+            decode_mask,
+            prefills,
+            logit_rows,
+        )
+
+
+def _slots(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) of a row with this block table."""
+    return [blocks[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

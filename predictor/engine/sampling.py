@@ -1,6 +1,17 @@
-"""Logits to token ids, row by row: greedy, temperature, top-k, top-p, one seeded generator each."""
+"""Logits to token ids for the whole batch in one pass, each row with its own parameters.
+
+Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut to their top-k
+and top-p as batched tensor ops, and drawn with the exponential trick torch.multinomial uses
+for one sample (argmax of probs / q, q ~ Exp(1) drawn from the row's own generator), so a seed
+gives the same tokens alone or in any batch. Penalties, the end-of-sequence ban of min_tokens
+and logprobs cost nothing for rows that don't ask for them.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -18,32 +29,171 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
-def greedy(logits: torch.Tensor) -> list[int]:
-    """argmax of every row of logits [B, V]."""
-    return [int(i) for i in logits.argmax(dim=-1).tolist()]
+class RowState(Protocol):
+    """What sampling needs to know of one row (the engine's Sequence has these fields)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> Any: ...  # torch.Generator, or None for greedy-only rows
+    @property
+    def output_ids(self) -> Sequence[int]: ...  # tokens generated so far
 
 
-def draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    """One sampled token id from one row's logits [V] (finite), with the row's own generator."""
-    if p.temperature < MIN_TEMPERATURE:  # below float32's reach: the limit is greedy
-        return int(logits.argmax())
-    # shift so the largest logit is 0 before dividing: a tiny temperature cannot overflow
-    scaled = (logits - logits.max()) / p.temperature
-    if 0 < p.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, p.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(scaled, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+@dataclass
+class Row:
+    """A plain RowState, for callers without a Sequence."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: Sequence[int]
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]  # one per row; -1 where the row's logits were not finite
+    # per row: (chosen logprob, [(token, logprob)] top alternatives), or None
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def sample(logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[int]) -> Sampled:
+    """logits [B, V] float32 -> one token per row.
+
+    One pass over the logits serves every plain greedy row: its max is both the token and the
+    finite check (NaN and +inf propagate into the max). Only rows that sample, are penalized,
+    must not end yet (min_tokens) or want logprobs are looked at again.
+    """
+    best, argmax = row_max(logits)  # [B] each
+    finite = torch.isfinite(best).tolist()
+    tokens = argmax.tolist()
+    special = [i for i, r in enumerate(rows) if finite[i] and _special(r, eos_ids)]
+    if special:
+        sub = logits[special]  # [S, V], a copy
+        sub_rows = [rows[i] for i in special]
+        sub = _penalize(sub, sub_rows)
+        sub = _ban_eos(sub, sub_rows, eos_ids)
+        picked = sub.argmax(dim=-1)
+        # below float32's reach a temperature's limit is greedy: such rows keep the argmax
+        drawn = [j for j, r in enumerate(sub_rows) if r.params.temperature >= MIN_TEMPERATURE]
+        if drawn:
+            picked[drawn] = _draw(sub[drawn], [sub_rows[j] for j in drawn])
+        for i, token in zip(special, picked.tolist(), strict=True):
+            tokens[i] = token
+    for i, ok in enumerate(finite):
+        if not ok:
+            tokens[i] = -1
+    return Sampled(tokens, _logprobs(logits, tokens, rows))
+
+
+def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's max and the index of its first occurrence, as `logits.max(dim=-1)` gives.
+
+    On the CPU torch's max/argmax along a row is not vectorised (measured: 29 ms for
+    [256, 49152] against 5 ms for amax), so the row is cut into blocks: the vectorised amax
+    finds each row's best block, and max runs only inside it. Ties and NaN resolve as max does.
+    """
+    rows, vocab = logits.shape
+    block = _block_size(vocab)
+    if logits.device.type != "cpu" or block == 0:
+        values, indices = logits.max(dim=-1)
+        return values, indices
+    blocks = logits.view(rows, vocab // block, block)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)  # [B]
+    inner = blocks[torch.arange(rows, device=logits.device), best_block]  # [B, block]
+    values, indices = inner.max(dim=-1)
+    return values, best_block * block + indices
+
+
+def _block_size(vocab: int) -> int:
+    """A divisor of vocab between 512 and 2048 leaving at least 8 blocks; 0 when none."""
+    for block in range(512, 2049):
+        if vocab % block == 0 and vocab // block >= 8:
+            return block
+    return 0
+
+
+def _special(row: RowState, eos_ids: Collection[int]) -> bool:
+    p = row.params
+    return (
+        p.temperature >= MIN_TEMPERATURE
+        or p.penalized
+        or (bool(eos_ids) and not p.ignore_eos and len(row.output_ids) < p.min_tokens)
+    )
+
+
+def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties over each asking row's generated tokens."""
+    asking = [i for i, r in enumerate(rows) if r.params.penalized and r.output_ids]
+    for i in asking:
+        p = rows[i].params
+        ids = torch.tensor(rows[i].output_ids, device=logits.device)
+        counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]]
+        logits[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
+    return logits
+
+
+def _ban_eos(
+    logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[int]
+) -> torch.Tensor:
+    """Rows short of min_tokens cannot end: their end-of-sequence logits become -inf."""
+    if not eos_ids:
+        return logits
+    short = [
+        i
+        for i, r in enumerate(rows)
+        if not r.params.ignore_eos and len(r.output_ids) < r.params.min_tokens
+    ]
+    if not short:
+        return logits
+    eos = torch.tensor(sorted(eos_ids), device=logits.device)
+    logits[torch.tensor(short, device=logits.device).unsqueeze(1), eos] = float("-inf")
+    return logits
+
+
+def _draw(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+    """Sampled rows only: logits [S, V] -> token ids [S]."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in rows], device=device).unsqueeze(1)
+    # shift so each row's largest logit is 0 before dividing: a tiny temperature cannot overflow
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
+    vocab = scaled.shape[-1]
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    if min(top_k) < vocab:
+        k = max(top_k)
+        kth_index = torch.tensor([t - 1 for t in top_k], device=device).unsqueeze(1)
+        kth = torch.topk(scaled, k, dim=-1).values.gather(1, kth_index)  # [S, 1]
+        cut = torch.tensor([t < vocab for t in top_k], device=device).unsqueeze(1)
+        scaled = scaled.masked_fill(cut & (scaled < kth), float("-inf"))
+    top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
+    if bool((top_p < 1.0).any()):
+        sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+        probs_sorted = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens before it already reach top_p; the first always stays
-        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= p.top_p
-        drop_sorted[0] = False  # even when top_p rounds to 0 in float32
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        drop_sorted = (probs_sorted.cumsum(dim=-1) - probs_sorted) >= top_p
+        drop_sorted[:, 0] = False  # even when top_p rounds to 0 in float32
+        drop_sorted &= top_p < 1.0
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    noise = torch.empty_like(probs)
+    for i, r in enumerate(rows):  # each row's own stream, as torch.multinomial would draw it
+        noise[i].exponential_(1, generator=r.generator)
+    return (probs / noise).argmax(dim=-1)
 
 
-def finite_rows(logits: torch.Tensor) -> list[bool]:
-    """Which rows of logits [B, V] hold only finite numbers (a NaN row must fail alone)."""
-    return torch.isfinite(logits).all(dim=-1).tolist()
+def _logprobs(
+    raw: torch.Tensor, tokens: list[int], rows: Sequence[RowState]
+) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(rows)
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None and tokens[i] >= 0]
+    if not asking:
+        return out
+    logp = torch.log_softmax(raw[asking], dim=-1)  # [A, V]
+    for row, i in enumerate(asking):
+        top_n = rows[i].params.logprobs or 0
+        top: list[tuple[int, float]] = []
+        if top_n:
+            values, ids = torch.topk(logp[row], min(top_n, logp.shape[-1]))
+            top = list(zip(ids.tolist(), values.tolist(), strict=True))
+        out[i] = (float(logp[row, tokens[i]]), top)
+    return out

@@ -1,4 +1,4 @@
-"""Who runs next: waiting requests join the batch within a row limit and a cache-token budget."""
+"""Who runs next: waiting requests join the batch within a row limit and the KV-cache blocks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import threading
 from collections import deque
 
 from predictor.engine.batch import Sequence
+from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.errors import Overloaded
 
 
@@ -13,9 +14,8 @@ class Scheduler:
     """First come, first served. Thread-safe: adapters add from the event loop thread, the step
     loop takes from its own thread."""
 
-    def __init__(self, max_batch_size: int, max_cache_tokens: int, max_waiting: int) -> None:
+    def __init__(self, max_batch_size: int, max_waiting: int) -> None:
         self.max_batch_size = max_batch_size
-        self.max_cache_tokens = max_cache_tokens
         self.max_waiting = max_waiting
         self._waiting: deque[Sequence] = deque()
         self._lock = threading.Lock()
@@ -39,21 +39,30 @@ class Scheduler:
                 self._waiting = deque(s for s in self._waiting if not s.aborted)
         return gone
 
-    def admit(self, running_rows: int, running_tokens: int) -> list[Sequence]:
-        """Take waiting requests, oldest first, while rows and the token budget allow.
+    def drop_expired(self, now: float) -> list[Sequence]:
+        """Remove and return waiting requests whose deadline passed before they got a row."""
+        with self._lock:
+            gone = [s for s in self._waiting if s.deadline is not None and now >= s.deadline]
+            if gone:
+                self._waiting = deque(s for s in self._waiting if s not in gone)
+        return gone
 
-        A request larger than the whole budget is still admitted into an empty batch, so it
-        cannot wait forever (its size was already checked against the context length).
+    def admit(self, running_rows: int, cache: BlockAllocator) -> list[Sequence]:
+        """Take waiting requests, oldest first, while rows and KV-cache blocks allow.
+
+        Each admitted request reserves the blocks its prompt and max_tokens may fill, so it can
+        never run out of cache later (the engine refuses a request larger than the whole cache).
         """
         admitted: list[Sequence] = []
         with self._lock:
             while self._waiting and running_rows + len(admitted) < self.max_batch_size:
                 seq = self._waiting[0]
-                fits = running_tokens + seq.budget_tokens <= self.max_cache_tokens
-                if not fits and (running_rows or admitted):
+                need = blocks_for(seq.budget_tokens, cache.block_size)
+                if not cache.can_reserve(need):
                     break
+                cache.reserve(need)
+                seq.reserved_blocks = need
                 admitted.append(self._waiting.popleft())
-                running_tokens += seq.budget_tokens
         return admitted
 
     def drain(self) -> list[Sequence]:

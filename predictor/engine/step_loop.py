@@ -1,8 +1,11 @@
 """The step loop: one thread that runs the batch one token at a time.
 
-Each step: retire aborted and timed-out rows, admit waiting requests (prefill them together,
-merge them into the cache), then decode one token for every row and send each row its event.
-This is the only loop over the batch, and the only code that calls the runner.
+Each step: retire aborted and timed-out rows, admit waiting requests (each reserves the KV
+blocks it may need), then run one forward pass that feeds every decoding row its last token and
+the prefilling rows the next chunks of their prompts, within a per-step token budget (chunked
+prefill: a long prompt never stalls the running streams for more than a chunk), sample the rows
+that got logits and send each row its event. This is the only loop over the batch, and the only
+code that calls the runner.
 """
 
 from __future__ import annotations
@@ -11,14 +14,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
+from collections.abc import Sequence as Rows
 from typing import Protocol
 
 import torch
 
 from predictor.engine.batch import Batch, Sequence
-from predictor.engine.sampling import draw, finite_rows, greedy, make_generator
+from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.runner import StepRow
+from predictor.engine.sampling import make_generator, sample
 from predictor.engine.scheduler import Scheduler
-from predictor.types import FinishReason
+from predictor.types import FinishReason, TokenLogprob, TopLogprob
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +33,7 @@ class Runner(Protocol):
     device: torch.device
 
     def bind_thread(self) -> None: ...
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor: ...
-    def decode(self, last_tokens: list[int]) -> torch.Tensor: ...
-    def keep(self, rows: list[int]) -> None: ...
-    def reset(self) -> None: ...
+    def forward(self, rows: Rows[StepRow]) -> torch.Tensor: ...
 
 
 class StepLoop:
@@ -39,6 +42,8 @@ class StepLoop:
         runner: Runner,
         scheduler: Scheduler,
         eos_ids: Collection[int],
+        allocator: BlockAllocator,
+        max_step_tokens: int = 256,
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int], None] | None = None,
         on_admit: Callable[[float], None] | None = None,
@@ -46,10 +51,15 @@ class StepLoop:
         self.runner = runner
         self.scheduler = scheduler
         self.batch = Batch()
+        self.allocator = allocator
+        self.max_step_tokens = max_step_tokens
         self._eos_ids = frozenset(eos_ids)
         self._clock = clock
-        self._on_step = on_step  # called with the batch size after each decode step
+        self._on_step = on_step  # called with the number of rows that got a token, each step
         self._on_admit = on_admit  # called with each admitted request's waiting time
+        # called on this thread after each step: AsyncEngine hands the step's events to asyncio
+        # in one batch there (one wake-up of the event loop per step, not one per row)
+        self.after_step: Callable[[], None] | None = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -87,22 +97,28 @@ class StepLoop:
             except Exception as exc:  # a bug here must not kill the engine
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}")
+            self._after_step()
         self._fail_all("engine stopped")
         for seq in self.scheduler.drain():
             seq.finish(FinishReason.ERROR, error="engine stopped")
+        self._after_step()
+
+    def _after_step(self) -> None:
+        if self.after_step is not None:
+            self.after_step()
 
     def step(self) -> None:
         self._retire()
-        admitted = self.scheduler.admit(len(self.batch), self.batch.budget_tokens)
-        if admitted:
-            self._prefill(admitted)
+        self._admit()
         if self.batch:
-            self._decode()
+            self._forward()
 
     def _retire(self) -> None:
         for seq in self.scheduler.drop_aborted():
             seq.finish(FinishReason.CANCELLED)
         now = self._clock()
+        for seq in self.scheduler.drop_expired(now):  # never prefilled
+            seq.finish(FinishReason.TIMEOUT)
         for seq in self.batch.rows:
             if seq.aborted:
                 seq.finish(FinishReason.CANCELLED, seq.detokenizer.flush())
@@ -110,80 +126,120 @@ class StepLoop:
                 seq.finish(FinishReason.TIMEOUT, seq.detokenizer.flush())
         self._compact()
 
-    def _prefill(self, seqs: list[Sequence]) -> None:
-        try:
-            logits = self.runner.prefill([seq.prompt_ids for seq in seqs])
-        except Exception as exc:
-            log.exception("prefill failed")
-            for seq in seqs:  # the cache is untouched: only the newcomers fail
-                seq.finish(FinishReason.ERROR, error=f"prefill failed: {exc}")
+    def _admit(self) -> None:
+        admitted = self.scheduler.admit(len(self.batch), self.allocator)
+        if not admitted:
             return
         now = self._clock()
-        for seq in seqs:
+        for seq in admitted:
             seq.generator = make_generator(seq.params.seed, self.runner.device)
             if self._on_admit is not None:
                 self._on_admit(now - seq.arrival)
-        self.batch.extend(seqs)
-        self._accept(seqs, logits)
-        self._compact()
+        self.batch.extend(admitted)
 
-    def _decode(self) -> None:
-        rows = self.batch.rows
+    def _plan(self) -> tuple[list[Sequence], list[StepRow]]:
+        """Who is fed what this step: every decoding row one token, then prompt chunks."""
+        fed: list[Sequence] = []
+        rows: list[StepRow] = []
+        budget = self.max_step_tokens
+        prefilling = []
+        for seq in self.batch.rows:
+            if seq.prefilling:
+                prefilling.append(seq)
+                continue
+            fed.append(seq)
+            rows.append(StepRow(seq.blocks, seq.cached, seq.output_ids[-1:], logits=True))
+            budget -= 1
+        for seq in prefilling:
+            if budget <= 0 and rows:
+                break
+            chunk = seq.prompt_ids[seq.cached : seq.cached + max(budget, 1)]
+            budget -= len(chunk)
+            done = seq.cached + len(chunk) == len(seq.prompt_ids)
+            fed.append(seq)
+            rows.append(StepRow(seq.blocks, seq.cached, chunk, logits=done))
+        for seq, row in zip(fed, rows, strict=True):
+            need = blocks_for(row.start + len(row.tokens), self.allocator.block_size)
+            if need > len(seq.blocks):
+                seq.blocks.extend(self.allocator.allocate(need - len(seq.blocks)))
+        return fed, rows
+
+    def _forward(self) -> None:
+        fed, rows = self._plan()
         try:
-            logits = self.runner.decode([seq.output_ids[-1] for seq in rows])
+            logits = self.runner.forward(rows)
         except Exception as exc:
-            log.exception("decode failed")
-            self._fail_all(f"forward pass failed: {exc}")
+            log.exception("forward pass failed")
+            for seq in fed:  # their cache contents are unknown now; rows not fed are intact
+                seq.finish(FinishReason.ERROR, error=f"forward pass failed: {exc}")
+            self._compact()
             return
-        self._accept(rows, logits)
-        if self._on_step is not None:
-            self._on_step(len(rows))
+        sampled = []
+        for seq, row in zip(fed, rows, strict=True):
+            seq.cached += len(row.tokens)
+            if row.logits:
+                sampled.append(seq)
+        self._accept(sampled, logits)
+        if self._on_step is not None and sampled:
+            self._on_step(len(sampled))
         self._compact()
 
     def _accept(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         # logits: [len(seqs), V]
-        finite = finite_rows(logits)
-        good = [i for i, ok in enumerate(finite) if ok]
-        for i, ok in enumerate(finite):
-            if not ok:
-                seqs[i].finish(FinishReason.ERROR, error="the model produced non-finite logits")
-        if not good:
+        try:
+            result = sample(logits, seqs, self._eos_ids)
+        except Exception as exc:  # a sampling bug must fail these rows, not the engine
+            log.exception("sampling failed")
+            for seq in seqs:
+                seq.finish(FinishReason.ERROR, error=f"sampling failed: {exc}")
             return
-        rows = logits if len(good) == len(seqs) else logits[good]
-        chosen = [seqs[i] for i in good]
-        greedy_ids = greedy(rows)
-        for row, seq in enumerate(chosen):
-            if seq.params.greedy:
-                token = greedy_ids[row]
-            else:
-                try:
-                    token = draw(rows[row], seq.params, seq.generator)
-                except Exception as exc:  # one request's sampling must not fail the batch
-                    seq.finish(FinishReason.ERROR, error=f"sampling failed: {exc}")
-                    continue
-            self._advance(seq, token)
+        for seq, token, logprob in zip(seqs, result.tokens, result.logprobs, strict=True):
+            if token < 0:
+                seq.finish(FinishReason.ERROR, error="the model produced non-finite logits")
+                continue
+            logprobs: tuple[TokenLogprob, ...] = ()
+            if logprob is not None:
+                logprobs = (self._token_logprob(seq, token, *logprob),)
+            self._advance(seq, token, logprobs)
 
-    def _advance(self, seq: Sequence, token: int) -> None:
+    @staticmethod
+    def _token_logprob(
+        seq: Sequence, token: int, logprob: float, top: list[tuple[int, float]]
+    ) -> TokenLogprob:
+        text = seq.detokenizer.token_text
+        return TokenLogprob(
+            token, text(token), logprob, tuple(TopLogprob(t, text(t), lp) for t, lp in top)
+        )
+
+    def _advance(self, seq: Sequence, token: int, logprobs: tuple[TokenLogprob, ...]) -> None:
         seq.output_ids.append(token)
         ids = (token,)
-        if token in self._eos_ids:
-            seq.finish(FinishReason.EOS, seq.detokenizer.flush(), token_ids=ids)
+        generated = len(seq.output_ids)
+        # min_tokens (vLLM's meaning): eos may end the request only after that many tokens,
+        # stop strings are looked for once that many exist
+        eos_armed = generated > seq.params.min_tokens and not seq.params.ignore_eos
+        if token in self._eos_ids and eos_armed:
+            seq.finish(FinishReason.EOS, seq.detokenizer.flush(), token_ids=ids, logprobs=logprobs)
             return
-        text = seq.detokenizer.push(token)
+        text = seq.detokenizer.push(token, check_stop=generated >= seq.params.min_tokens)
         if seq.detokenizer.stopped:
-            seq.finish(FinishReason.STOP, text, token_ids=ids)
-        elif len(seq.output_ids) >= seq.params.max_tokens:
-            seq.finish(FinishReason.LENGTH, text + seq.detokenizer.flush(), token_ids=ids)
+            seq.finish(FinishReason.STOP, text, token_ids=ids, logprobs=logprobs)
+        elif generated >= seq.params.max_tokens:
+            text += seq.detokenizer.flush()
+            seq.finish(FinishReason.LENGTH, text, token_ids=ids, logprobs=logprobs)
         else:
-            seq.emit(text, ids)
+            seq.emit(text, ids, logprobs)
 
     def _compact(self) -> None:
-        kept = self.batch.remove_finished()
-        if kept is not None:
-            self.runner.keep(kept)
+        for seq in self.batch.remove_finished():
+            self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        self.allocator.release(seq.reserved_blocks)
+        seq.blocks, seq.reserved_blocks = [], 0
 
     def _fail_all(self, message: str) -> None:
         for seq in self.batch.rows:
             seq.finish(FinishReason.ERROR, error=message)
-        self.batch.rows = []
-        self.runner.reset()
+        self._compact()

@@ -12,6 +12,7 @@ import torch
 
 from predictor.engine.batch import Sequence
 from predictor.engine.detokenizer import IncrementalDetokenizer
+from predictor.engine.kv_cache import BlockAllocator
 from predictor.engine.runner import ModelRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
@@ -26,8 +27,8 @@ class Tiny:
     eos_ids: frozenset[int]
     pad_token_id: int
 
-    def runner(self) -> ModelRunner:
-        return ModelRunner(self.model, torch.device("cpu"), self.pad_token_id)
+    def runner(self, num_blocks: int = 256, block_size: int = 16) -> ModelRunner:
+        return ModelRunner(self.model, torch.device("cpu"), num_blocks, block_size)
 
 
 @pytest.fixture(scope="session")
@@ -104,5 +105,10 @@ def drive(
     raise AssertionError("requests did not finish")
 
 
-def new_loop(runner: Any, eos_ids: frozenset[int], max_batch_size: int = 8) -> StepLoop:
-    return StepLoop(runner, Scheduler(max_batch_size, 1 << 20, 64), eos_ids)
+def new_loop(
+    runner: Any, eos_ids: frozenset[int], max_batch_size: int = 8, max_step_tokens: int = 256
+) -> StepLoop:
+    """A step loop over the runner, with a block allocator the size of the runner's cache."""
+    allocator = BlockAllocator(runner.num_blocks, runner.block_size)
+    scheduler = Scheduler(max_batch_size, 64)
+    return StepLoop(runner, scheduler, eos_ids, allocator, max_step_tokens=max_step_tokens)

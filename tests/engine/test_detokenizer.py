@@ -2,7 +2,7 @@ from collections.abc import Sequence
 
 from transformers import AutoTokenizer
 
-from predictor.engine.detokenizer import IncrementalDetokenizer
+from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
 
 
 class CharDecoder:
@@ -55,3 +55,30 @@ def test_real_tokenizer_multibyte_and_stop(tokenizer_dir) -> None:  # type: igno
     pieces = [detok.push(i) for i in ids]
     assert detok.stopped
     assert "".join(pieces) == "Crème brûlée 🙂 costs 5€."
+
+
+def test_byte_table_path_equals_decode_path(tokenizer_dir) -> None:  # type: ignore[no-untyped-def]
+    import random
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    table = byte_table(tokenizer)
+    assert table is not None  # SmolLM2's tokenizer is byte-level BPE
+    rng = random.Random(3)
+    text = "Crème brûlée 🙂 costs 5€.\n\nNext: 日本語 <|im_end|>"
+    cases = [tokenizer.encode(text, add_special_tokens=False)]
+    cases += [[rng.randrange(len(tokenizer)) for _ in range(40)] for _ in range(20)]
+    prompt = tokenizer.encode("Say:", add_special_tokens=False)
+    for ids in cases:
+        slow = IncrementalDetokenizer(tokenizer, prompt, [])
+        fast = IncrementalDetokenizer(tokenizer, prompt, [], table)
+        slow_text = "".join(slow.push(i) for i in ids) + slow.flush()
+        fast_text = "".join(fast.push(i) for i in ids) + fast.flush()
+        assert fast_text == slow_text
+    for stop in ("\n\nNext", "€"):
+        fast = IncrementalDetokenizer(tokenizer, prompt, [stop], table)
+        pieces = [fast.push(i) for i in cases[0]]
+        assert fast.stopped and "".join(pieces) == text[: text.find(stop)]
+
+
+def test_byte_table_refuses_tokenizers_of_other_kinds() -> None:
+    assert byte_table(CharDecoder()) is None

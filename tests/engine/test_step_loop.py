@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from predictor.engine.runner import ModelRunner
+from predictor.engine.runner import ModelRunner, StepRow
 from predictor.types import FinishReason, SamplingParams
 from tests.engine.conftest import Collected, Tiny, drive, make_sequence, new_loop
 
@@ -49,7 +49,7 @@ def test_greedy_rows_equal_generate_under_staggered_arrivals(tiny_dense: Tiny) -
         assert sink.events[-1].usage is not None
         assert sink.events[-1].usage.generated_tokens == n
         assert sink.events[-1].usage.prompt_tokens == len(p)
-    assert len(loop.batch) == 0 and loop.runner.rows == 0  # type: ignore[attr-defined]
+    assert len(loop.batch) == 0 and loop.allocator.used == 0 and loop.allocator.reserved == 0
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dense: Tiny) -> None:
@@ -77,7 +77,7 @@ def test_gptq_output_is_well_formed_and_repeatable(tiny_gptq: Any) -> None:
     ps = prompts(tiny, 5, seed=9)
 
     def run() -> list[list[int]]:
-        loop = new_loop(ModelRunner(tiny.model, torch.device("cpu"), tiny.pad_token_id), NO_EOS)
+        loop = new_loop(tiny.runner(), NO_EOS)
         sinks, arrivals = [], {}
         for i, p in enumerate(ps):
             s, sink = make_sequence(tiny.tokenizer, p, SamplingParams(max_tokens=8 + i), f"g{i}")
@@ -94,25 +94,17 @@ def test_gptq_output_is_well_formed_and_repeatable(tiny_gptq: Any) -> None:
 
 
 class Delegating:
-    """A runner that forwards to a real one; fault injectors override one method."""
+    """A runner that forwards to a real one; fault injectors override forward."""
 
     def __init__(self, inner: ModelRunner) -> None:
         self.inner, self.device = inner, inner.device
+        self.num_blocks, self.block_size = inner.num_blocks, inner.block_size
 
     def bind_thread(self) -> None:
         self.inner.bind_thread()
 
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        return self.inner.prefill(prompts)
-
-    def decode(self, last: list[int]) -> torch.Tensor:
-        return self.inner.decode(last)
-
-    def keep(self, rows: list[int]) -> None:
-        self.inner.keep(rows)
-
-    def reset(self) -> None:
-        self.inner.reset()
+    def forward(self, rows: list[StepRow]) -> torch.Tensor:
+        return self.inner.forward(rows)
 
 
 class PoisonRows(Delegating):
@@ -129,8 +121,9 @@ class PoisonRows(Delegating):
                 logits[row] = float("nan")
         return logits
 
-    def decode(self, last: list[int]) -> torch.Tensor:
-        return self._poison(self.inner.decode(last).clone(), self.loop.batch.rows)
+    def forward(self, rows: list[StepRow]) -> torch.Tensor:
+        # every row is decoding here: logits row i belongs to batch row i
+        return self._poison(self.inner.forward(rows).clone(), self.loop.batch.rows)
 
 
 def test_poisoned_request_fails_alone(tiny_dense: Tiny) -> None:
@@ -153,17 +146,17 @@ def test_poisoned_request_fails_alone(tiny_dense: Tiny) -> None:
 
 
 class FailOnce(Delegating):
-    """A runner whose next decode raises: the whole batch fails, later requests are served."""
+    """A runner whose next forward raises: the rows it fed fail, later requests are served."""
 
     def __init__(self, inner: ModelRunner) -> None:
         super().__init__(inner)
         self.armed = False
 
-    def decode(self, last: list[int]) -> torch.Tensor:
+    def forward(self, rows: list[StepRow]) -> torch.Tensor:
         if self.armed:
             self.armed = False
             raise RuntimeError("device lost")
-        return self.inner.decode(last)
+        return self.inner.forward(rows)
 
 
 def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_dense: Tiny) -> None:
@@ -196,11 +189,13 @@ def test_abort_frees_the_row_at_the_next_step(tiny_dense: Tiny) -> None:
     assert len(loop.batch) == 2
     pairs[0][0].aborted = True
     loop.step()
-    assert len(loop.batch) == 1 and loop.runner.rows == 1  # type: ignore[attr-defined]
+    assert len(loop.batch) == 1
+    assert loop.allocator.reserved == pairs[1][0].reserved_blocks
+    assert loop.allocator.used == len(pairs[1][0].blocks)
     assert pairs[0][1].finish_reason is FinishReason.CANCELLED
     pairs[1][0].aborted = True
     loop.step()
-    assert len(loop.batch) == 0 and loop.runner.rows == 0  # type: ignore[attr-defined]
+    assert len(loop.batch) == 0 and loop.allocator.used == 0 and loop.allocator.reserved == 0
 
 
 def test_eos_and_stop_strings(tiny_dense: Tiny) -> None:
@@ -222,3 +217,94 @@ def test_eos_and_stop_strings(tiny_dense: Tiny) -> None:
     assert sink.finish_reason is FinishReason.STOP
     assert sink.text == full[: full.find(stop)]
     assert stop not in sink.text
+
+
+def test_chunked_prefill_output_equals_generate(tiny_dense: Tiny) -> None:
+    """Prompts longer than a step's token budget are prefilled over several steps."""
+    rng = random.Random(21)
+    vocab = len(tiny_dense.tokenizer)
+    ps = [[rng.randrange(100, vocab) for _ in range(n)] for n in (70, 33, 5, 120)]
+    loop = new_loop(tiny_dense.runner(), NO_EOS, max_batch_size=4, max_step_tokens=24)
+    sinks, arrivals = [], {}
+    for i, p in enumerate(ps):
+        seq, sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=10), f"c{i}")
+        arrivals.setdefault(i * 3, []).append(seq)
+        sinks.append(sink)
+    fed: list[int] = []
+    drive(loop, arrivals, sinks, each_step=lambda _: fed.append(0))
+    for p, sink in zip(ps, sinks, strict=True):
+        assert sink.token_ids == reference_greedy(tiny_dense, p, 10)
+
+
+def test_cache_holds_exactly_what_the_rows_hold_after_every_step(tiny_dense: Tiny) -> None:
+    rng = random.Random(5)
+    vocab = len(tiny_dense.tokenizer)
+    loop = new_loop(tiny_dense.runner(), NO_EOS, max_batch_size=4, max_step_tokens=32)
+    block = loop.allocator.block_size
+    lengths = [(300, 6), (4, 30), (9, 25), (17, 12)]  # one long prompt among short ones
+    pairs = [
+        make_sequence(
+            tiny_dense.tokenizer,
+            [rng.randrange(100, vocab) for _ in range(n)],
+            SamplingParams(max_tokens=m),
+            f"k{i}",
+        )
+        for i, (n, m) in enumerate(lengths)
+    ]
+    for seq, _ in pairs:
+        loop.scheduler.add(seq)
+    seen_long_prefill = False
+    for _ in range(200):
+        loop.step()
+        rows = loop.batch.rows
+        held = sum(-(-seq.cached // block) for seq in rows)
+        assert loop.allocator.used == held
+        assert all(len(seq.blocks) * block >= seq.cached for seq in rows)
+        assert loop.allocator.reserved == sum(seq.reserved_blocks for seq in rows)
+        assert loop.allocator.usage() == held / loop.allocator.num_blocks
+        seen_long_prefill |= any(seq.prefilling for seq in rows)
+        if all(sink.done for _, sink in pairs):
+            break
+    assert seen_long_prefill
+    assert all(sink.finish_reason is FinishReason.LENGTH for _, sink in pairs)
+    assert loop.allocator.used == 0 and loop.allocator.reserved == 0
+
+
+def test_ignore_eos_and_min_tokens(tiny_dense: Tiny) -> None:
+    p = prompts(tiny_dense, 1, seed=11)[0]
+    ref = reference_greedy(tiny_dense, p, 12)
+    eos = ref[3]
+    if eos in ref[:3]:
+        return  # the greedy text repeats itself early: nothing to learn from this prompt
+    eos_ids = frozenset({eos})
+    # ignore_eos: the end-of-sequence token is generated and the request goes on
+    loop = new_loop(tiny_dense.runner(), eos_ids)
+    seq, sink = make_sequence(
+        tiny_dense.tokenizer, p, SamplingParams(max_tokens=12, ignore_eos=True)
+    )
+    drive(loop, {0: [seq]}, [sink])
+    assert sink.finish_reason is FinishReason.LENGTH and sink.token_ids == ref
+    # min_tokens: the end-of-sequence token cannot be drawn before 6 tokens exist
+    loop = new_loop(tiny_dense.runner(), eos_ids)
+    seq, sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=12, min_tokens=6))
+    drive(loop, {0: [seq]}, [sink])
+    assert sink.token_ids[:3] == ref[:3] and sink.token_ids[3] != eos
+    assert eos not in sink.token_ids[:6] and len(sink.token_ids) >= 6
+
+
+def test_logprobs_equal_log_softmax_of_a_direct_forward_pass(tiny_dense: Tiny) -> None:
+    p = prompts(tiny_dense, 1, seed=13)[0]
+    loop = new_loop(tiny_dense.runner(), NO_EOS)
+    seq, sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=4, logprobs=2))
+    drive(loop, {0: [seq]}, [sink])
+    ids = torch.tensor([p + sink.token_ids])
+    with torch.inference_mode():
+        logits = tiny_dense.model(ids).logits[0].float()
+    want = torch.log_softmax(logits, dim=-1)
+    got = [lp for event in sink.events for lp in event.logprobs]
+    assert [lp.token_id for lp in got] == sink.token_ids
+    for i, lp in enumerate(got):
+        row = want[len(p) - 1 + i]
+        assert abs(lp.logprob - float(row[lp.token_id])) < 1e-4
+        assert [t.token_id for t in lp.top] == torch.topk(row, 2).indices.tolist()
+        assert lp.token == tiny_dense.tokenizer.decode([lp.token_id])
