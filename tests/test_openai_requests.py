@@ -48,7 +48,10 @@ def test_defaults_follow_openai() -> None:
 def test_chat_messages_and_logprobs() -> None:
     messages = [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+        },
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Bye"},
     ]
@@ -57,7 +60,10 @@ def test_chat_messages_and_logprobs() -> None:
     request = decode_chat(body, 16)
     (choice,) = request.choices
     assert request.kind == "chat" and request.id.startswith("chatcmpl-")
-    assert choice.messages is not None and choice.messages[1] == {"role": "user", "content": "Hi\nthere"}
+    assert choice.messages is not None and choice.messages[1] == {
+        "role": "user",
+        "content": "Hi\nthere",
+    }
     assert [m["role"] for m in choice.messages] == ["system", "user", "assistant", "user"]
     assert choice.params.max_tokens == 5 and choice.params.logprobs == 2 and choice.params.greedy
 
@@ -98,11 +104,17 @@ def test_chat_logprobs_without_top() -> None:
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"logprobs": 3}, "logprobs"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+        ),
         ({"repetition_penalty": 1.1}, "repetition_penalty"),
         ({"model": 5}, "model"),
         ({"audio": {"voice": "x"}}, "audio"),
