@@ -122,8 +122,11 @@ def test_chat_stream_sync(server: ServerProcess) -> None:
     assert text == unary.choices[0].message.content
 
 
-def test_stream_wire_format(server: ServerProcess) -> None:
-    body = {"model": "tiny", "prompt": "Go", "max_tokens": 5, "stream": True, "temperature": 0}
+@pytest.mark.parametrize("usage", [False, True])
+def test_stream_wire_format(server: ServerProcess, usage: bool) -> None:
+    body: dict[str, Any] = {"model": "tiny", "prompt": "Go", "max_tokens": 5, "stream": True}
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     with (
         httpx.Client(timeout=60) as http,
         http.stream("POST", f"{server.base_url}/openai/v1/completions", json=body) as response,
@@ -134,9 +137,14 @@ def test_stream_wire_format(server: ServerProcess) -> None:
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line[6:]) for line in lines[:-1]]
     assert all(e["object"] == "text_completion" for e in events)
+    if usage:  # the usage chunk comes last before [DONE], with no choices
+        *events, last = events
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5
+        assert all(e["usage"] is None for e in events)
+    else:
+        assert all("usage" not in e for e in events)
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])
-    assert "usage" not in events[-1]  # no usage chunk unless asked
 
 
 async def test_async_client_n_choices_and_streams(server: ServerProcess) -> None:
