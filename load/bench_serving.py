@@ -1,10 +1,12 @@
 """Serving benchmark (asyncio, no locust): TTFT, inter-token latency and tokens/s at several
-concurrency levels against any OIP `generate_stream` endpoint, and the C=16 / C=1 ratio.
+concurrency levels against any OIP `generate_stream` endpoint (--api oip) or any OpenAI
+streaming chat completions endpoint (--api openai: `{url}{--openai-prefix}/chat/completions`),
+and the C=16 / C=1 ratio. Both send each prompt as one user message through the chat template.
 
 With --url it measures that server; without, it starts `python -m predictor` on the default
 model. --infer-check also times 16 concurrent V2 infer requests against one.
 
-    .venv/bin/python -m load.bench_serving [--url http://127.0.0.1:8080 --model NAME]
+    .venv/bin/python -m load.bench_serving [--url http://127.0.0.1:8080 --model NAME] [--api openai]
 """
 
 from __future__ import annotations
@@ -33,26 +35,60 @@ class Sample:
     total: float = 0.0
 
 
-async def one_stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> Sample:
-    body = {"text_input": prompt, "parameters": {"max_tokens": max_tokens, "chat": True}}
+@dataclass(frozen=True)
+class Api:
+    """How one protocol asks for a stream and reports its text and token count."""
+
+    name: str
+    model: str
+    openai_prefix: str = "/v1"
+
+    def url(self, base: str) -> str:
+        if self.name == "openai":
+            return f"{base}{self.openai_prefix}/chat/completions"
+        return f"{base}/v2/models/{self.model}/generate_stream"
+
+    def body(self, prompt: str, max_tokens: int) -> dict:
+        if self.name == "openai":
+            return {
+                "model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True},
+            }  # fmt: skip
+        return {"text_input": prompt, "parameters": {"max_tokens": max_tokens, "chat": True}}
+
+    def read(self, event: dict) -> tuple[str, int | None]:
+        """The event's new text, and the generated token count when the event reports it."""
+        if self.name == "openai":
+            usage = event.get("usage")
+            text = "".join(c["delta"].get("content") or "" for c in event.get("choices", []))
+            return text, usage["completion_tokens"] if usage else None
+        details = event.get("details")
+        return event.get("text_output", ""), details["generated_tokens"] if details else None
+
+
+async def one_stream(
+    client: httpx.AsyncClient, api: Api, url: str, prompt: str, max_tokens: int
+) -> Sample:
     sent = time.perf_counter()
     sample, last = Sample(ttft=0.0), sent
-    async with client.stream("POST", url, json=body) as response:
+    async with client.stream("POST", url, json=api.body(prompt, max_tokens)) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
-            if not line.startswith("data: "):
+            if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             now, event = time.perf_counter(), json.loads(line[6:])
             if "error" in event:
                 raise RuntimeError(event["error"])
-            if event.get("text_output"):
+            text, tokens = api.read(event)
+            if text:
                 if not sample.ttft:
                     sample.ttft = now - sent
                 else:
                     sample.gaps.append(now - last)
                 last = now
-            if "details" in event:
-                sample.tokens = event["details"]["generated_tokens"]
+            if tokens is not None:
+                sample.tokens = tokens
     sample.total = time.perf_counter() - sent
     return sample
 
@@ -62,12 +98,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
 
 
-async def level(client: httpx.AsyncClient, url: str, c: int, rounds: int, max_tokens: int) -> dict:
+async def level(
+    client: httpx.AsyncClient, api: Api, url: str, c: int, rounds: int, max_tokens: int
+) -> dict:
     samples: list[Sample] = []
     started = time.perf_counter()
     for r in range(rounds):
         prompts = [PROMPTS[(r * c + i) % len(PROMPTS)] for i in range(c)]
-        samples += await asyncio.gather(*(one_stream(client, url, p, max_tokens) for p in prompts))
+        samples += await asyncio.gather(
+            *(one_stream(client, api, url, p, max_tokens) for p in prompts)
+        )
     wall = time.perf_counter() - started
     gaps = [g for s in samples for g in s.gaps]
     return {
@@ -102,11 +142,14 @@ async def infer_check(client: httpx.AsyncClient, base: str, model: str, max_toke
 
 
 async def run(args: argparse.Namespace, base: str) -> None:
-    url = f"{base}/v2/models/{args.model}/generate_stream"
+    api = Api(args.api, args.model, args.openai_prefix)
+    url = api.url(base)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
-        await one_stream(client, url, "warm up", 4)
-        rows = [await level(client, url, c, args.rounds, args.max_tokens) for c in args.concurrency]
-        print(f"\n{args.max_tokens} new tokens per request, {args.rounds} rounds per level")
+        await one_stream(client, api, url, "warm up", 4)
+        rows = [
+            await level(client, api, url, c, args.rounds, args.max_tokens) for c in args.concurrency
+        ]
+        print(f"\n{url}: {args.max_tokens} new tokens per request, {args.rounds} rounds per level")
         print(f"{'C':>3} {'requests':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'ITL p50':>8} "
               f"{'ITL p95':>8} {'tokens/s':>9}")  # fmt: skip
         for r in rows:
@@ -129,6 +172,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--infer-check", action="store_true")
+    parser.add_argument("--api", choices=["oip", "openai"], default="oip")
+    parser.add_argument("--openai-prefix", default="/v1", help="/v1 (vLLM) or /openai/v1 (KServe)")
     args = parser.parse_args()
     log_file = Path("/tmp/bench-serving-server.log")
     if args.url:

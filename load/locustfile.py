@@ -6,6 +6,9 @@ User classes (pick with ``--class-picker`` in the web UI or name them on the com
 - ``GenerateUser``: REST ``POST /v2/models/{m}/generate`` (one JSON answer).
 - ``InferUser``: REST V2 ``POST /v2/models/{m}/infer``.
 - ``GrpcStreamUser``: Triton ``ModelStreamInfer`` via ``tritonclient.grpc``, one stream per user.
+- ``OpenAIChatStreamUser``: OpenAI ``POST {prefix}/chat/completions`` with ``stream: true`` and
+  ``stream_options.include_usage`` (SSE), each prompt one user message; works against any OpenAI
+  server.
 
 Every user is closed loop (``wait_time`` 0): it sends its next request when the last one ends.
 Each call is one normal locust entry (type ``POST`` or ``gRPC``, name = the endpoint). A call
@@ -19,7 +22,8 @@ CSV files and the web UI:
   non-empty gRPC response) minus the first-token time, divided by (generated tokens - 1): the mean
   time per output token after the first, independent of how tokens were grouped into events.
 - ``TOKENS`` (all users): the "response time" is the number of generated tokens reported by the
-  server (``details.generated_tokens`` / the ``generated_tokens`` parameter), so its *average*
+  server (``details.generated_tokens`` / the ``generated_tokens`` parameter / OpenAI's
+  ``usage.completion_tokens``), so its *average*
   column is output tokens per request and average x count is the total (``load/run_load.py``
   divides that by the run time for tokens/s). It is a count, not milliseconds.
 
@@ -31,6 +35,7 @@ Settings: a locust option or, as its default, an environment variable:
 LOAD_TOP_K (sent only when set), ``--chat`` LOAD_CHAT (1: apply the chat template),
 ``--grpc-target`` LOAD_GRPC_TARGET (127.0.0.1:8081), ``--prompts`` LOAD_PROMPTS
 (load/prompts.txt: one prompt per line, each request picks one at random),
+``--openai-prefix`` LOAD_OPENAI_PREFIX (/v1; KServe's is /openai/v1),
 ``--request-timeout`` LOAD_REQUEST_TIMEOUT (300 s). The REST host is locust's ``--host``.
 
     .venv/bin/python -m locust -f load/locustfile.py --host http://127.0.0.1:8080 GenerateStreamUser
@@ -94,6 +99,8 @@ def _options(parser: Any) -> None:
                        help="host:port of the gRPC server (LOAD_GRPC_TARGET)")  # fmt: skip
     group.add_argument("--prompts", default=env("LOAD_PROMPTS", str(PROMPTS)),
                        help="prompt file, one per line (LOAD_PROMPTS)")  # fmt: skip
+    group.add_argument("--openai-prefix", default=env("LOAD_OPENAI_PREFIX", "/v1"),
+                       help="path prefix of the OpenAI routes (LOAD_OPENAI_PREFIX)")  # fmt: skip
     group.add_argument("--request-timeout", type=float,
                        default=float(env("LOAD_REQUEST_TIMEOUT", "300")),
                        help="seconds per request (LOAD_REQUEST_TIMEOUT)")  # fmt: skip
@@ -129,6 +136,7 @@ class Settings:
     grpc_target: str
     prompts: tuple[str, ...]
     timeout: float
+    openai_prefix: str = "/v1"
 
     def parameters(self) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -173,6 +181,7 @@ def settings(environment: Environment) -> Settings:
         grpc_target=str(pick("grpc_target", "LOAD_GRPC_TARGET", "127.0.0.1:8081")),
         prompts=_prompts(str(pick("prompts", "LOAD_PROMPTS", str(PROMPTS)))),
         timeout=float(pick("request_timeout", "LOAD_REQUEST_TIMEOUT", "300")),
+        openai_prefix=str(pick("openai_prefix", "LOAD_OPENAI_PREFIX", "/v1")),
     )
 
 
@@ -303,6 +312,67 @@ class InferUser(RestUser):
             raise Failure(f"no text_output in {str(answer)[:200]}")
         tokens = int(answer["parameters"]["generated_tokens"])
         self.report(started, time.perf_counter(), length, tokens)
+
+
+class OpenAIChatStreamUser(RestUser):
+    """OpenAI streaming chat completions; the token count comes from the usage chunk."""
+
+    endpoint = "openai_chat_stream"
+
+    def url(self) -> str:
+        return f"{self.cfg.openai_prefix}/chat/completions"
+
+    @task
+    def chat_stream(self) -> None:
+        self.call(self._stream)
+
+    def _body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.cfg.model,
+            "messages": [{"role": "user", "content": self.prompt()}],
+            "max_tokens": self.cfg.max_tokens,
+            "temperature": self.cfg.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.cfg.top_p is not None:
+            body["top_p"] = self.cfg.top_p
+        if self.cfg.top_k is not None:
+            body["top_k"] = self.cfg.top_k  # vLLM's extension, which this server takes too
+        return body
+
+    def _stream(self, started: float) -> None:
+        first: float | None = None
+        final: float | None = None
+        tokens: int | None = None
+        done = False
+        length = 0
+        with self.http.stream("POST", self.url(), json=self._body()) as response:
+            if response.status_code != 200:
+                response.read()
+                raise Failure(f"HTTP {response.status_code}: {response.text[:200]}")
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                now = time.perf_counter()
+                length += len(line)
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    raise Failure(f"error event: {event['error']}")
+                for choice in event.get("choices", []):
+                    if choice["delta"].get("content") and first is None:
+                        first = now
+                    if choice.get("finish_reason"):
+                        final = now
+                if event.get("usage"):
+                    tokens = int(event["usage"]["completion_tokens"])
+        if not done or tokens is None:
+            raise Failure("stream ended without its usage chunk and [DONE]")
+        self.report(started, time.perf_counter(), length, tokens, first, final)
 
 
 class GrpcStreamUser(PredictorUser):

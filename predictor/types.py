@@ -48,6 +48,10 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     chat: bool = False
     timeout: float | None = None  # seconds; None: the server default
+    # A conversation ({"role": "system" | "user" | "assistant", "content": str} each): the engine
+    # renders it with the model's chat template (add_generation_prompt=True) instead of using
+    # `prompt`. Adapters that set it for a lone user message also set prompt=content, chat=True.
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ def test_readme_opens_with_the_two_commands() -> None:
         "curl-stream",
         "httpx-sse",
         "tritonclient-grpc-stream",
+        "openai-curl",
+        "openai-sdk",
     }
 
 
@@ -52,12 +54,20 @@ def test_curl_stream(server: ServerProcess) -> None:
     assert out.count("data: ") >= 2 and '"finish_reason"' in out
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_openai(server: ServerProcess) -> None:
+    assert '"object":"chat.completion"' in run(
+        ["bash", "-c", adapt(SNIPPETS["openai-curl"], server)]
+    )
+
+
 @pytest.mark.parametrize(
     ("name", "expected"),
     [
         ("tritonclient-http", ""),
         ("httpx-sse", "generated_tokens"),
         ("tritonclient-grpc-stream", "'2':"),
+        ("openai-sdk", "completion_tokens=32"),
     ],
 )
 def test_python_snippets(server: ServerProcess, name: str, expected: str) -> None:

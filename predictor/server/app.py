@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.engine.client import EngineClient
 from predictor.errors import PredictorError
+from predictor.server import openai
 from predictor.server.grpc import stream_handler
 from predictor.server.lifecycle import Drain, DrainingDataPlane
 from predictor.server.rest import ServedModel, build_router, error_response
@@ -153,6 +154,9 @@ class PredictorServer(ModelServer):
         model = self.registered_models.get_model(name)
         return model if isinstance(model, ServedModel) else None
 
+    def model_names(self) -> list[str]:
+        return list(self.registered_models.get_models())
+
     def start(self, models: list[BaseKServeModel]) -> None:
         self._register_and_check_atleast_one_model_is_ready(models)
         kserve_app.add_middleware(DefaultJSONContentType)
@@ -160,6 +164,8 @@ class PredictorServer(ModelServer):
         # text/event-stream, so streams are not held back.
         kserve_app.add_middleware(GZipMiddleware, minimum_size=GZIP_MINIMUM_BYTES)
         kserve_app.include_router(build_router(self.served_model))
+        # before KServe registers its own routes: ours answer GET /v1/models in both shapes
+        kserve_app.include_router(openai.build_router(self.served_model, self.model_names))
         kserve_app.add_exception_handler(PredictorError, predictor_error_handler)
         kserve_app.add_exception_handler(RequestValidationError, validation_error_handler)
         self._rest_server = RESTServer(

@@ -48,6 +48,8 @@ def runs(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> dic
             "dir": base / "stream"},
         "grpc": run_locust(server, base / "grpc", 2, "GrpcStreamUser", "InferUser") | {
             "dir": base / "grpc"},
+        "openai": run_locust(server, base / "openai", 2, "OpenAIChatStreamUser") | {
+            "dir": base / "openai"},
     }  # fmt: skip
 
 
@@ -76,6 +78,14 @@ def test_grpc_stream_and_infer_users(runs: dict) -> None:
         assert count(rows, (metric, "grpc_stream")) > 0
     assert count(rows, ("TOKENS", "infer")) > 0
     assert float(rows[("TOKENS", "grpc_stream")]["Average Response Time"]) == 8.0
+
+
+def test_openai_chat_stream_users(runs: dict) -> None:
+    rows = check_clean(runs["openai"])
+    assert count(rows, ("POST", "openai_chat_stream")) > 0
+    for metric in ("TTFT", "TPOT", "TOKENS"):
+        assert count(rows, (metric, "openai_chat_stream")) > 0
+    assert float(rows[("TOKENS", "openai_chat_stream")]["Average Response Time"]) == 8.0
 
 
 def load_run_load() -> ModuleType:

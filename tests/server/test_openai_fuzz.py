@@ -1,0 +1,42 @@
+"""schemathesis on the OpenAI routes of the served OpenAPI document: never a 5xx, never a hang."""
+
+from __future__ import annotations
+
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+
+from tests.support import ServerProcess
+
+ROUTES = r"^/(openai/)?v1/(completions|chat/completions|models)$"
+
+
+def test_openai_routes_never_answer_5xx(server: ServerProcess) -> None:
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json").include(
+        path_regex=ROUTES
+    )
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {(op.method.upper(), op.path) for op in operations} == {
+        (method, f"{prefix}/{route}")
+        for prefix in ("/v1", "/openai/v1")
+        for method, route in (
+            ("POST", "completions"),
+            ("POST", "chat/completions"),
+            ("GET", "models"),
+        )
+    }
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        def check(case: schemathesis.Case) -> None:
+            if isinstance(case.body, dict):
+                case.body["model"] = "tiny"  # reach the body checks, not 404s
+                # keep the tiny model's work small: a few tokens, few choices
+                case.body["max_tokens"] = min(case.body.get("max_tokens") or 4, 4)
+                case.body.pop("max_completion_tokens", None)
+                case.body["n"] = min(case.body.get("n") or 1, 2)
+            response = case.call(timeout=60)
+            case.validate_response(response, checks=[not_a_server_error])
+
+        check()

@@ -1,0 +1,69 @@
+"""429 and 503 on the OpenAI routes, in OpenAI's error shape, as on the other routes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.test_drain import stream_then_sigterm
+from tests.server.test_grpc_stream import running_requests, wait_idle
+from tests.server.test_overload import hold, waiting_requests
+from tests.support import ServerProcess
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def small(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
+    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "512"]
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
+        yield srv
+
+
+def test_full_queue_is_429_rate_limit_error(small: ServerProcess) -> None:
+    stop = threading.Event()
+    holders = [threading.Thread(target=hold, args=(small, stop)) for _ in range(2)]
+    for t in holders:
+        t.start()
+        time.sleep(0.3)
+    try:
+        deadline = time.monotonic() + 10
+        while not (running_requests(small) == 1 and waiting_requests(small) == 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for stream in (False, True):
+            r = httpx.post(
+                f"{small.base_url}/v1/chat/completions", json=CHAT | {"stream": stream}, timeout=10
+            )
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        sdk = openai.OpenAI(base_url=f"{small.base_url}/openai/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            sdk.completions.create(model="tiny", prompt="x", max_tokens=2)
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(60)
+    wait_idle(small)
+
+
+def test_n_choices_past_the_queue_are_refused_whole(small: ServerProcess) -> None:
+    # 1 row + 1 waiting place: a third choice does not fit, and none of them is left running
+    r = httpx.post(f"{small.base_url}/v1/completions", json={"model": "tiny", "prompt": "x",
+                   "n": 3, "max_tokens": 400, "stream": True}, timeout=30)  # fmt: skip
+    assert r.status_code == 429 and r.json()["error"]["code"] == "rate_limit_exceeded"
+    wait_idle(small)
+
+
+def test_draining_server_answers_503(tiny_gptq_dir: Path) -> None:
+    with stream_then_sigterm(tiny_gptq_dir, drain_seconds=30) as (srv, events):
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=CHAT, timeout=5)
+        assert r.status_code == 503
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert events[-1]["finish_reason"] == "length"
