@@ -78,11 +78,14 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, request: GenerateRequest) -> list[int]:
-        if request.chat:
+        if request.messages is not None or request.chat:
+            conversation = (
+                list(request.messages)
+                if request.messages is not None
+                else [{"role": "user", "content": request.prompt}]
+            )
             text = self._tokenizer.apply_chat_template(
-                [{"role": "user", "content": request.prompt}],
-                add_generation_prompt=True,
-                tokenize=False,
+                conversation, add_generation_prompt=True, tokenize=False
             )
             ids = self._tokenizer.encode(text, add_special_tokens=False)
         else:
