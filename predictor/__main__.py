@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import REGISTRY
 
@@ -19,10 +19,28 @@ from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
 from predictor.metrics import Metrics
+from predictor.model.layout import resolve_checkpoint_dir
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.settings import Settings
 
 log = logging.getLogger("predictor")
+
+
+def kv_cache_usage(step_loop: StepLoop, budget_tokens: int) -> Callable[[], float]:
+    """The KV-cache gauge's reading: tokens the running rows hold in the cache (prompt and
+    generated so far) over the cache budget, 0-1. Read at each scrape, from the event loop's
+    thread: it takes a snapshot of the rows and never blocks the step loop.
+
+    The one place that knows how the engine's cache is measured: when the cache changes, point
+    this at the cache's own count of used and total slots.
+    """
+
+    def read() -> float:
+        rows = list(step_loop.batch.rows)
+        held = sum(len(seq.prompt_ids) + len(seq.output_ids) for seq in rows)
+        return min(1.0, held / budget_tokens) if budget_tokens > 0 else 0.0
+
+    return read
 
 
 def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> AsyncEngine:
@@ -38,6 +56,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         on_step=metrics.observe_batch,
         on_admit=metrics.observe_queue,
     )
+    metrics.track_kv_cache(kv_cache_usage(step_loop, settings.max_cache_tokens))
     max_prompt = settings.max_prompt_tokens or max(
         1, loaded.context_length - settings.max_tokens_limit
     )
@@ -57,9 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        # KServe's storage initializer may leave the checkpoint one folder down
+        model_dir = resolve_checkpoint_dir(settings.model_dir)
         # One thread here: only the step loop's thread runs torch in parallel (see
         # ModelRunner.bind_thread).
-        loaded = load_checkpoint(settings.model_dir, settings.device, threads=1)
+        loaded = load_checkpoint(model_dir, settings.device, threads=1)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
@@ -67,14 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from predictor.kserve_model import LLMPredictor
     from predictor.server.app import PredictorServer
 
-    name = settings.served_model_name
-    metrics = Metrics(REGISTRY, name)
+    name = settings.model_name or model_dir.absolute().name
+    metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
     engine = build_engine(loaded, settings, metrics)
     predictor = LLMPredictor(name, engine, settings.default_max_tokens, metrics)
     predictor.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",
-        name, settings.model_dir, loaded.device, loaded.kernel, settings.torch_threads,
+        name, model_dir, loaded.device, loaded.kernel, settings.torch_threads,
     )  # fmt: skip
     server = PredictorServer(
         host=settings.host,
