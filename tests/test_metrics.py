@@ -127,3 +127,50 @@ def test_server_counts_rest_and_grpc_alike(server) -> None:  # type: ignore[no-u
     after = requests_total()
     assert after.get("rest", 0) - before.get("rest", 0) == 1
     assert after.get("grpc", 0) - before.get("grpc", 0) == 2  # two prompts in one ModelInfer
+
+
+async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_dense: Tiny) -> None:
+    """The gauge, read the way a scrape reads it, after every decode step of a run where the
+    cache budget (not the row limit) makes requests wait; vLLM's alias reads the same."""
+    from predictor.__main__ import kv_cache_usage
+    from predictor.engine.scheduler import Scheduler
+    from predictor.engine.step_loop import StepLoop
+
+    budget, max_tokens = 160, 30
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, "tiny", vllm_aliases=True)
+    loop = StepLoop(tiny_dense.runner(), Scheduler(8, budget, 64), frozenset())
+    metrics.track_kv_cache(kv_cache_usage(loop, budget))
+    samples: list[tuple[float, float, float, float]] = []
+
+    def on_step(rows: int) -> None:  # the step loop's thread, between two steps: a still batch
+        held = sum(len(s.prompt_ids) + len(s.output_ids) for s in loop.batch.rows)
+        reserved = loop.batch.budget_tokens
+        gauge = value(registry, "predictor_kv_cache_usage_ratio")
+        alias = registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "tiny"})
+        samples.append((gauge, held / budget, reserved / budget, alias or 0.0))
+
+    loop._on_step = on_step
+    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
+    engine.start()
+    try:
+        prompts = [f"Request number {i} asks for some text" for i in range(6)]
+        done = await asyncio.gather(
+            *(
+                complete(engine.generate(GenerateRequest(str(i), p, SamplingParams(max_tokens))))
+                for i, p in enumerate(prompts)
+            )
+        )
+    finally:
+        engine.stop()
+    assert all(c.usage.generated_tokens == max_tokens for c in done)
+    prompt_tokens = len(tiny_dense.tokenizer.encode(prompts[0]))
+    assert 3 * (prompt_tokens + max_tokens) <= budget < 6 * (prompt_tokens + max_tokens)
+    assert samples
+    for gauge, exact, reserved, alias in samples:
+        assert gauge == pytest.approx(exact, abs=1e-12)
+        assert alias == gauge
+        assert 0.0 < gauge <= reserved <= 1.0  # held never exceeds what the scheduler reserved
+    # under load the cache filled past half its budget, and requests waited for room
+    assert max(s[0] for s in samples) > 0.5
+    assert value(registry, "predictor_kv_cache_usage_ratio") == 0.0
