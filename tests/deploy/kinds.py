@@ -482,7 +482,8 @@ def pool_rule(by_kind: dict[str, list[Doc]]) -> list[str]:
     services = {s["metadata"]["name"]: s for s in by_kind.get("Service", [])}
     for pool in by_kind.get("InferencePool", []):
         spec = pool["spec"]
-        if isvc and not selects(spec["selector"].get("matchLabels"), predictor_pod_labels(isvc)):
+        match = (spec.get("selector") or {}).get("matchLabels")
+        if isvc and not selects(match, predictor_pod_labels(isvc)):
             errors.append("InferencePool: its selector matches no predictor pod")
         ref = spec.get("endpointPickerRef") or {}
         service = services.get(ref.get("name", ""))
