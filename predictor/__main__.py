@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import REGISTRY
 
@@ -20,6 +20,7 @@ from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
 from predictor.metrics import Metrics
+from predictor.model.layout import resolve_checkpoint_dir
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.settings import Settings
 
@@ -51,6 +52,9 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         on_step=metrics.observe_batch,
         on_admit=metrics.observe_queue,
     )
+    # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
+    # kv_cache_usage_perc); one integer read at each scrape, never blocking the step loop
+    metrics.track_kv_cache(allocator.usage)
     max_prompt = settings.max_prompt_tokens or max(
         1, loaded.context_length - settings.max_tokens_limit
     )
@@ -70,9 +74,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        # KServe's storage initializer may leave the checkpoint one folder down
+        model_dir = resolve_checkpoint_dir(settings.model_dir)
         # One thread here: only the step loop's thread runs torch in parallel (see
         # ModelRunner.bind_thread).
-        loaded = load_checkpoint(settings.model_dir, settings.device, threads=1)
+        loaded = load_checkpoint(model_dir, settings.device, threads=1)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
@@ -80,8 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from predictor.kserve_model import LLMPredictor
     from predictor.server.app import PredictorServer
 
-    name = settings.served_model_name
-    metrics = Metrics(REGISTRY, name)
+    name = settings.model_name or model_dir.absolute().name
+    metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
     try:
         engine = build_engine(loaded, settings, metrics)
     except CheckpointError as exc:
@@ -91,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     predictor.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",
-        name, settings.model_dir, loaded.device, loaded.kernel, settings.torch_threads,
+        name, model_dir, loaded.device, loaded.kernel, settings.torch_threads,
     )  # fmt: skip
     server = PredictorServer(
         host=settings.host,

@@ -3,6 +3,11 @@
 Served on KServe's `/metrics` (the default registry) by `python -m predictor`; tests pass their
 own registry. REST and gRPC, unary and streaming, are counted alike: each path wraps its event
 stream in `observe`.
+
+The queue, running and KV-cache gauges are what KEDA and the Gateway API Inference Extension's
+endpoint picker read; with `vllm_aliases` they are also exported under vLLM's names
+(`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, labelled
+`model_name` as vLLM does) for pickers and dashboards that expect those.
 """
 
 from __future__ import annotations
@@ -30,8 +35,18 @@ def _event_loop_tasks() -> int:
         return 0
 
 
+# our gauge -> vLLM's name for the same quantity
+VLLM_ALIASES = {
+    "predictor_num_requests_waiting": "vllm:num_requests_waiting",
+    "predictor_num_requests_running": "vllm:num_requests_running",
+    "predictor_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+}
+
+
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, vllm_aliases: bool = False
+    ) -> None:
         self.model_name = model_name
         labels = ["model"]
         self.ttft = Histogram(
@@ -73,6 +88,17 @@ class Metrics:
             "predictor_num_requests_waiting", "Requests waiting for a batch row.", labels,
             registry=registry,
         )  # fmt: skip
+        self.kv_cache_usage = Gauge(
+            "predictor_kv_cache_usage_ratio",
+            "KV-cache tokens held by running requests over the cache budget (0-1).",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.aliases: dict[str, Gauge] = {}
+        if vllm_aliases:
+            for ours, theirs in VLLM_ALIASES.items():
+                self.aliases[ours] = Gauge(
+                    theirs, f"Same as {ours} (vLLM's name).", ["model_name"], registry=registry
+                )
         self.loop_tasks = Gauge(
             "predictor_event_loop_tasks", "asyncio tasks alive on the server's event loop.",
             registry=registry,
@@ -80,8 +106,18 @@ class Metrics:
         self.loop_tasks.set_function(_event_loop_tasks)
 
     def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
-        self.running.labels(self.model_name).set_function(running)
-        self.waiting.labels(self.model_name).set_function(waiting)
+        self._track(self.running, "predictor_num_requests_running", running)
+        self._track(self.waiting, "predictor_num_requests_waiting", waiting)
+
+    def track_kv_cache(self, usage: Callable[[], float]) -> None:
+        """`usage`: the fraction of the KV-cache budget in use now, read at each scrape."""
+        self._track(self.kv_cache_usage, "predictor_kv_cache_usage_ratio", usage)
+
+    def _track(self, gauge: Gauge, name: str, read: Callable[[], float]) -> None:
+        gauge.labels(self.model_name).set_function(read)
+        alias = self.aliases.get(name)
+        if alias is not None:
+            alias.labels(self.model_name).set_function(read)
 
     def observe_batch(self, rows: int) -> None:
         """Called by the step loop after each decode step."""

@@ -37,6 +37,7 @@ class Settings:
     max_prompt_tokens: int = 0  # 0: the model's context length minus max_tokens_limit
     request_timeout: float = 0.0  # seconds a request may run (0: no server default)
     drain_seconds: int = 30  # on SIGTERM: how long requests in flight may take to finish
+    vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     hf_home: Path = Path.home() / ".cache" / "huggingface"
 
     @property
@@ -105,6 +106,8 @@ _HELP = {
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "
     "(0: none; a request's own `timeout` parameter may set one)",
     "drain_seconds": "on SIGTERM, seconds for requests in flight to finish before exit",
+    "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
+    "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
 }
 

@@ -127,3 +127,52 @@ def test_server_counts_rest_and_grpc_alike(server) -> None:  # type: ignore[no-u
     after = requests_total()
     assert after.get("rest", 0) - before.get("rest", 0) == 1
     assert after.get("grpc", 0) - before.get("grpc", 0) == 2  # two prompts in one ModelInfer
+
+
+async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_dense: Tiny) -> None:
+    """The gauge, read the way a scrape reads it, after every step of a run where the cache
+    (not the row limit) makes requests wait; vLLM's alias reads the same."""
+    from predictor.engine.kv_cache import BlockAllocator
+    from predictor.engine.scheduler import Scheduler
+    from predictor.engine.step_loop import StepLoop
+
+    block, blocks, max_tokens = 8, 20, 30  # a 160-token cache
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, "tiny", vllm_aliases=True)
+    allocator = BlockAllocator(blocks, block)
+    runner = tiny_dense.runner(num_blocks=blocks, block_size=block)
+    loop = StepLoop(runner, Scheduler(8, 64), frozenset(), allocator)
+    metrics.track_kv_cache(allocator.usage)
+    samples: list[tuple[float, float, float, float]] = []
+
+    def on_step(rows: int) -> None:  # the step loop's thread, between two steps: a still batch
+        held = sum(-(-s.cached // block) for s in loop.batch.rows)  # blocks the rows fill
+        reserved = sum(s.reserved_blocks for s in loop.batch.rows)
+        gauge = value(registry, "predictor_kv_cache_usage_ratio")
+        alias = registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "tiny"})
+        samples.append((gauge, held / blocks, reserved / blocks, alias or 0.0))
+
+    loop._on_step = on_step
+    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
+    engine.start()
+    try:
+        prompts = [f"Request number {i} asks for some text" for i in range(6)]
+        done = await asyncio.gather(
+            *(
+                complete(engine.generate(GenerateRequest(str(i), p, SamplingParams(max_tokens))))
+                for i, p in enumerate(prompts)
+            )
+        )
+    finally:
+        engine.stop()
+    assert all(c.usage.generated_tokens == max_tokens for c in done)
+    prompt_tokens = len(tiny_dense.tokenizer.encode(prompts[0]))
+    per_request = -(-(prompt_tokens + max_tokens) // block)
+    assert 3 * per_request <= blocks < 6 * per_request  # the cache, not the rows, limits
+    assert samples
+    for gauge, exact, reserved, alias in samples:
+        assert gauge == pytest.approx(exact, abs=1e-12)
+        assert alias == gauge
+        assert 0.0 < gauge <= reserved <= 1.0  # held never exceeds what the scheduler reserved
+    # under load the cache filled past half its size, and requests waited for room
+    assert max(s[0] for s in samples) > 0.5

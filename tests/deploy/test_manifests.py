@@ -22,8 +22,10 @@ from tests.deploy.validate import crd_errors, crd_schema, sdk_errors, startup_bu
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
-OVERLAYS = ("dev", "gpu", "canary", "grpc")
-TARGETS = {"base": "base"} | {name: f"overlays/{name}" for name in OVERLAYS}
+CUSTOM_OVERLAYS = ("dev", "gpu", "canary", "grpc")  # the custom container, Knative mode
+RUNTIME_OVERLAYS = ("storage-uri", "standard", "inference-pool")  # see test_kinds.py
+OVERLAYS = CUSTOM_OVERLAYS + RUNTIME_OVERLAYS
+TARGETS = {"base": "base"} | {name: f"overlays/{name}" for name in CUSTOM_OVERLAYS}
 IMAGE = "ghcr.io/gptq-predictor/gptq-predictor"
 Isvc = dict[str, Any]
 P = ("spec", "predictor")
@@ -108,10 +110,11 @@ def test_base() -> None:
     for kind in ("requests", "limits"):
         assert c["resources"][kind]["nvidia.com/gpu"] == "1"
     probes = {k: c[k]["httpGet"] for k in ("readinessProbe", "livenessProbe", "startupProbe")}
+    ready = "/v2/models/smollm2-135m-instruct-gptq/ready"  # the model's route, false on drain
     assert probes == {
-        "readinessProbe": {"path": "/v2/health/ready", "port": 8080},
+        "readinessProbe": {"path": ready, "port": 8080},
         "livenessProbe": {"path": "/v2/health/live", "port": 8080},
-        "startupProbe": {"path": "/v2/health/ready", "port": 8080},
+        "startupProbe": {"path": ready, "port": 8080},
     }
     assert startup_budget(c["startupProbe"]) >= 600  # a 10-minute model load
 
@@ -123,7 +126,7 @@ def test_dev_runs_on_cpu_with_the_baked_in_model() -> None:
     assert c["args"][:2] == ["--model-dir", "/opt/models/smollm2-135m-instruct-gptq"]
     assert "STORAGE_URI" not in env(doc)
     assert env(doc)["PREDICTOR_DEVICE"] == "cpu"
-    assert c["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+    assert c["resources"]["requests"] == {"cpu": "2", "memory": "1536Mi"}
     assert "nvidia.com/gpu" not in json.dumps(c["resources"])
     assert (p["minReplicas"], p["maxReplicas"]) == (1, 1)
 

@@ -14,7 +14,9 @@ Three layers, each returning a list of error strings (empty: accepted):
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ CRD_PATH = Path(__file__).resolve().parent / "crd" / "serving.kserve.io_inferenc
 _LIST = re.compile(r"^(?:list|List)\[(.+)\]$")
 _DICT = re.compile(r"^(?:dict\(str, (.+)\)|Dict\[str, (.+)\])$")
 _QUANTITY_PATH = re.compile(r"\.resources\.(?:limits|requests)\.")
+_UPSTREAM = re.compile(r"^K8sIoApi[A-Z][a-z]+(V\d+(?:(?:alpha|beta)\d+)?)([A-Z]\w+)$")
 
 
 def _scalar_ok(value: Any, type_name: str, path: str) -> bool:
@@ -60,6 +63,15 @@ def sdk_errors(value: Any, type_name: str = "V1beta1InferenceService", path: str
         if _scalar_ok(value, type_name, path):
             return []
         return [f"{path}: expected {type_name}, got {type(value).__name__} {value!r}"]
+    if type_name == "V1beta1MetricQuantity":  # a resource.Quantity in the CRD
+        type_name = "ResourceQuantity"
+        if _scalar_ok(value, type_name, path):
+            return []
+        return [f"{path}: expected a quantity, got {type(value).__name__} {value!r}"]
+    # the SDK names upstream types by Go package: K8sIoApiAppsV1DeploymentStrategy is the
+    # kubernetes client's V1DeploymentStrategy
+    if m := _UPSTREAM.match(type_name):
+        type_name = m[1] + m[2]
     model = getattr(kserve_models, type_name, None) or getattr(k8s_models, type_name, None)
     if model is None:
         return [f"{path}: no SDK model {type_name} to check against"]
@@ -77,12 +89,14 @@ def sdk_errors(value: Any, type_name: str = "V1beta1InferenceService", path: str
 
 
 # ---- the CRD's openAPIV3Schema ----------------------------------------------------------------
-def crd_schema(path: Path = CRD_PATH) -> dict[str, Any] | None:
+@functools.cache  # parsed once per run: the InferenceService CRD is 2 MB of YAML
+def crd_schema(path: Path = CRD_PATH, version: str = "v1beta1") -> dict[str, Any] | None:
     if not path.is_file():
         return None
-    crd = yaml.safe_load(path.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1beta1"]
-    return version["schema"]["openAPIV3Schema"]
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load(path.read_text(), Loader=loader)  # noqa: S506 (a safe loader)
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return served["schema"]["openAPIV3Schema"]
 
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -94,6 +108,37 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "boolean": (bool,),
 }
 _INT_RANGE = {"int32": 2**31, "int64": 2**63}
+
+
+# CEL rules (x-kubernetes-validations) of the vendored CRDs, ported by hand, rule text -> check.
+CEL_RULES: dict[str, Callable[[Any], bool]] = {
+    # InferencePool spec.targetPorts
+    "self.all(p1, self.exists_one(p2, p1.number==p2.number))": lambda ports: all(
+        sum(1 for q in ports if q.get("number") == p.get("number")) == 1 for p in ports
+    ),
+    # InferencePool spec.endpointPickerRef
+    "self.kind != 'Service' || has(self.port)": lambda ref: (
+        ref.get("kind", "Service") != "Service" or "port" in ref
+    ),
+}
+_BOUNDS: tuple[tuple[str, Callable[[Any], float], int, str], ...] = (
+    ("minLength", len, 1, "is shorter than"),
+    ("maxLength", len, -1, "is longer than"),
+    ("minItems", len, 1, "has fewer items than"),
+    ("maxItems", len, -1, "has more items than"),
+    ("minProperties", len, 1, "has fewer properties than"),
+    ("maxProperties", len, -1, "has more properties than"),
+    ("minimum", float, 1, "is below the minimum"),
+    ("maximum", float, -1, "is above the maximum"),
+)
+
+
+def _bound_errors(value: Any, schema: dict[str, Any], path: str) -> list[str]:
+    errors = []
+    for key, measure, sign, words in _BOUNDS:
+        if key in schema and (measure(value) - schema[key]) * sign < 0:
+            errors.append(f"{path}: {value!r} {words} {schema[key]} ({key})")
+    return errors
 
 
 def crd_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
@@ -122,6 +167,13 @@ def crd_errors(value: Any, schema: dict[str, Any], path: str = "") -> list[str]:
     bound = _INT_RANGE.get(schema.get("format", "")) if kind == "integer" else None
     if bound and not -bound <= value < bound:
         errors.append(f"{path}: {value} does not fit {schema['format']}")
+    errors += _bound_errors(value, schema, path)
+    for validation in schema.get("x-kubernetes-validations", []):
+        check = CEL_RULES.get(validation["rule"])
+        if check is None:  # fail closed: a rule nobody ported is not silently passed
+            errors.append(f"{path}: CEL rule not checked offline: {validation['rule']}")
+        elif not check(value):
+            errors.append(f"{path}: {validation.get('message', validation['rule'])}")
     if kind == "object":
         props, extra = schema.get("properties"), schema.get("additionalProperties")
         errors += [f"{path}.{r}: required" for r in schema.get("required", []) if r not in value]
