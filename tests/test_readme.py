@@ -38,6 +38,7 @@ def test_readme_opens_with_the_two_commands() -> None:
         "curl-stream",
         "httpx-sse",
         "tritonclient-grpc-stream",
+        "tritonclient-vllm",
     }
 
 
@@ -58,9 +59,12 @@ def test_curl_stream(server: ServerProcess) -> None:
         ("tritonclient-http", ""),
         ("httpx-sse", "generated_tokens"),
         ("tritonclient-grpc-stream", "'2':"),
+        ("tritonclient-vllm", "{'decoupled': True}"),
     ],
 )
 def test_python_snippets(server: ServerProcess, name: str, expected: str) -> None:
     # the tiny random model may well answer in whitespace: check the structure, not the words
     out = run([sys.executable, "-c", adapt(SNIPPETS[name], server)])
     assert expected in out
+    if name == "tritonclient-vllm":  # the tokens asked for in sampling_parameters, no more
+        assert "tokens: 16" in out
