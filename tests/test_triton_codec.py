@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kserve import InferInput, InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 from kserve.protocol.infer_type import RequestedOutput, deserialize_bytes_tensor
@@ -232,3 +234,45 @@ def test_whole_event_counts_every_token() -> None:
     assert isinstance(body, dict)
     assert body["outputs"][1] == {"name": "num_output_tokens", "shape": [1], "datatype": "UINT32",
                                   "data": [5]}  # fmt: skip
+
+
+# -- fuzz: whatever arrives is accepted or refused with a reason ---------------------------------
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+keys = st.sampled_from([*triton_codec.GENERATE_KEYS, "id", "text_input", "parameters", "other"])
+
+
+@given(body=st.dictionaries(keys, json_values), streaming=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_generate_fuzz(body: dict[str, Any], streaming: bool) -> None:
+    try:
+        request, stream = triton_codec.decode_generate_request(body, 16, streaming)
+    except InvalidRequest as exc:
+        assert str(exc)
+        return
+    assert request.prompt and request.params.max_tokens >= 1 and isinstance(stream, bool)
+
+
+tensor_names = st.sampled_from([spec.name for spec in triton_codec.INPUTS] + ["image"])
+tensors = st.builds(
+    lambda name, datatype, values: tensor(name, datatype, values),
+    tensor_names,
+    st.sampled_from(["BYTES", "BOOL", "INT32", "FP32", "UINT64"]),
+    st.lists(st.booleans() | st.integers(0, 100) | st.text(max_size=8), max_size=2),
+)
+
+
+@given(extra=st.lists(tensors, max_size=4), streaming=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_infer_fuzz(extra: list[InferInput], streaming: bool) -> None:
+    try:
+        decoded = decode(v2(*extra), streaming)
+    except InvalidRequest as exc:
+        assert str(exc)
+        return
+    assert decoded.requests and decoded.outputs
