@@ -60,3 +60,15 @@ def test_triton_messages_match_tritonclient() -> None:
             assert theirs[message.full_name][field.name] == mine, (message.full_name, field.name)
     enum = triton_model_pb2.DESCRIPTOR.enum_types_by_name["DataType"]
     assert {v.name: v.number for v in enum.values} == theirs["inference.DataType"]
+
+
+def test_kserve_servicer_lacks_the_triton_rpcs_we_add() -> None:
+    # ours are a generic handler consulted after KServe's registered methods: were KServe to
+    # register one of these names, its method would answer instead of ours
+    from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
+
+    kserve_methods = {
+        m.name for m in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods
+    }
+    ours = {"ModelStreamInfer", "ModelConfig", "ModelStatistics", "RepositoryIndex"}
+    assert not kserve_methods & ours
