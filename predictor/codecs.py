@@ -176,8 +176,14 @@ def _text(value: Any) -> str:
     raise InvalidRequest(f"{TEXT_INPUT} elements must be strings")
 
 
-def decode_infer_request(request: InferRequest, default_max_tokens: int) -> list[GenerateRequest]:
-    """One GenerateRequest per element of the BYTES input `text_input`."""
+def decode_infer_request(
+    request: InferRequest, default_max_tokens: int, params: Mapping[str, Any] | None = None
+) -> list[GenerateRequest]:
+    """One GenerateRequest per element of the BYTES input `text_input`.
+
+    `params`: the parameters to read (default: the request's own). Other input tensors are not
+    looked at here: the adapters decode with `triton_codec`, which reads or refuses each one.
+    """
     inputs = [inp for inp in request.inputs if inp.name == TEXT_INPUT]
     if not inputs:
         raise InvalidRequest(f"input '{TEXT_INPUT}' is missing")
@@ -197,7 +203,8 @@ def decode_infer_request(request: InferRequest, default_max_tokens: int) -> list
     prompts = [_text(v) for v in values]
     if any(not p for p in prompts):
         raise InvalidRequest(f"input '{TEXT_INPUT}' must not contain empty strings")
-    params = plain_parameters(request.parameters)
+    if params is None:
+        params = plain_parameters(request.parameters)
     sampling = sampling_from_parameters(params, default_max_tokens)
     chat, timeout = request_options(params)
     base = request.id or uuid.uuid4().hex

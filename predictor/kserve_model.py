@@ -13,7 +13,7 @@ from grpc_interceptor import exceptions as grpc_status
 from kserve import InferRequest, InferResponse, Model
 from kserve.errors import InferenceError, InvalidInput
 
-from predictor import codecs
+from predictor import codecs, triton_codec
 from predictor.engine.client import EngineClient, complete
 from predictor.errors import (
     EngineUnavailable,
@@ -22,6 +22,7 @@ from predictor.errors import (
     PredictorError,
 )
 from predictor.metrics import Metrics
+from predictor.statistics import InferenceStatistics
 from predictor.types import GenerateRequest, TokenEvent
 
 
@@ -81,14 +82,21 @@ class LLMPredictor(Model):
         if not isinstance(payload, InferRequest):
             raise InvalidInput("expected a V2 inference request")
         try:
-            requests = codecs.decode_infer_request(payload, self.default_max_tokens)
+            decoded = triton_codec.decode_infer_request(
+                payload, self.default_max_tokens, streaming=False
+            )
             protocol = "grpc" if payload.from_grpc else "rest"
             completions = await asyncio.gather(
-                *(complete(self.stream(r, protocol)) for r in requests)
+                *(complete(self.stream(r, protocol)) for r in decoded.requests)
             )
         except PredictorError as exc:
             raise to_kserve_error(exc, payload.from_grpc) from exc
-        return codecs.encode_infer_response(payload, self.name, list(completions))
+        return triton_codec.encode_infer_response(payload, self.name, decoded, list(completions))
+
+    @property
+    def statistics(self) -> InferenceStatistics:
+        """Triton's ModelStatistics figures, recorded with the metrics."""
+        return self.metrics.statistics
 
     def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]:
         """Token events of one request, measured; closing the iterator aborts the request.

@@ -19,12 +19,14 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from predictor.errors import PredictorError
-from predictor.types import TokenEvent
+from predictor.statistics import InferenceStatistics, RequestTiming
+from predictor.types import FinishReason, TokenEvent
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
+_SUCCEEDED = {FinishReason.LENGTH.value, FinishReason.EOS.value, FinishReason.STOP.value}
 
 
 def _event_loop_tasks() -> int:
@@ -104,6 +106,7 @@ class Metrics:
             registry=registry,
         )  # fmt: skip
         self.loop_tasks.set_function(_event_loop_tasks)
+        self.statistics = InferenceStatistics()  # Triton's ModelStatistics, from the same events
 
     def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         self._track(self.running, "predictor_num_requests_running", running)
@@ -122,10 +125,12 @@ class Metrics:
     def observe_batch(self, rows: int) -> None:
         """Called by the step loop after each decode step."""
         self.batch_size.labels(self.model_name).observe(rows)
+        self.statistics.record_execution()
 
     def observe_queue(self, seconds: float) -> None:
         """Called by the step loop when a request gets its row."""
         self.queue_time.labels(self.model_name).observe(seconds)
+        self.statistics.record_queue(seconds)
 
     async def observe(
         self, events: AsyncIterator[TokenEvent], protocol: str
@@ -133,18 +138,20 @@ class Metrics:
         """Pass a request's events through, timing and counting them."""
         model = self.model_name
         start = last = time.monotonic()
-        first = True
+        first_token: float | None = None
+        end: float | None = None
         reason = "cancelled"
         try:
             async for event in events:
                 now = time.monotonic()
                 if event.token_ids:
-                    hist = self.ttft if first else self.tpot
+                    hist = self.ttft if first_token is None else self.tpot
                     hist.labels(model).observe(now - last)
                     self.generation_tokens.labels(model).inc(len(event.token_ids))
-                    first, last = False, now
+                    first_token = now if first_token is None else first_token
+                    last = now
                 if event.final and event.finish_reason is not None:
-                    reason = event.finish_reason.value
+                    reason, end = event.finish_reason.value, now
                     self.e2e.labels(model).observe(now - start)
                     if event.usage is not None:
                         self.prompt_tokens.labels(model).inc(event.usage.prompt_tokens)
@@ -154,4 +161,11 @@ class Metrics:
             raise
         finally:
             self.requests.labels(model, protocol, reason).inc()
+            timing = RequestTiming(
+                reason in _SUCCEEDED,
+                (end or time.monotonic()) - start,
+                None if first_token is None else first_token - start,
+                None if first_token is None else last - start,
+            )
+            self.statistics.record_request(timing)
             await events.aclose()  # type: ignore[attr-defined]

@@ -40,6 +40,7 @@ def test_readme_opens_with_the_two_commands() -> None:
         "tritonclient-grpc-stream",
         "openai-curl",
         "openai-sdk",
+        "tritonclient-vllm",
     }
 
 
@@ -68,9 +69,12 @@ def test_curl_openai(server: ServerProcess) -> None:
         ("httpx-sse", "generated_tokens"),
         ("tritonclient-grpc-stream", "'2':"),
         ("openai-sdk", "completion_tokens=32"),
+        ("tritonclient-vllm", "{'decoupled': True}"),
     ],
 )
 def test_python_snippets(server: ServerProcess, name: str, expected: str) -> None:
     # the tiny random model may well answer in whitespace: check the structure, not the words
     out = run([sys.executable, "-c", adapt(SNIPPETS[name], server)])
     assert expected in out
+    if name == "tritonclient-vllm":  # the tokens asked for in sampling_parameters, no more
+        assert "tokens: 16" in out

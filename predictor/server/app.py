@@ -25,6 +25,7 @@ from predictor.server import openai
 from predictor.server.grpc import stream_handler
 from predictor.server.lifecycle import Drain, DrainingDataPlane
 from predictor.server.rest import ServedModel, build_router, error_response
+from predictor.server.triton import build_triton_router
 
 GZIP_MINIMUM_BYTES = 500
 
@@ -130,8 +131,7 @@ class PredictorServer(ModelServer):
         self.drain = Drain(self.dataplane, self._engines, grace_period, self._stop_servers)
 
     def _engines(self) -> list[EngineClient]:
-        models = self.registered_models.get_models().values()
-        return [m.llm for m in models if isinstance(m, ServedModel)]
+        return [m.llm for m in self.served_models()]
 
     async def _stop_servers(self, force: bool) -> None:
         if self._rest_server is not None:
@@ -157,6 +157,10 @@ class PredictorServer(ModelServer):
     def model_names(self) -> list[str]:
         return list(self.registered_models.get_models())
 
+    def served_models(self) -> list[ServedModel]:
+        models = self.registered_models.get_models().values()
+        return [m for m in models if isinstance(m, ServedModel)]
+
     def start(self, models: list[BaseKServeModel]) -> None:
         self._register_and_check_atleast_one_model_is_ready(models)
         kserve_app.add_middleware(DefaultJSONContentType)
@@ -166,6 +170,7 @@ class PredictorServer(ModelServer):
         kserve_app.include_router(build_router(self.served_model))
         # before KServe registers its own routes: ours answer GET /v1/models in both shapes
         kserve_app.include_router(openai.build_router(self.served_model, self.model_names))
+        kserve_app.include_router(build_triton_router(self.served_model, self.served_models))
         kserve_app.add_exception_handler(PredictorError, predictor_error_handler)
         kserve_app.add_exception_handler(RequestValidationError, validation_error_handler)
         self._rest_server = RESTServer(
@@ -186,7 +191,7 @@ class PredictorServer(ModelServer):
         if self.enable_grpc:
             self._grpc_server = PredictorGRPCServer(
                 self.host,
-                [stream_handler(self.served_model)],
+                [stream_handler(self.served_model, self.served_models)],
                 self.grpc_port,
                 self.dataplane,
                 self.model_repository_extension,

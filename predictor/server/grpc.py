@@ -1,4 +1,5 @@
-"""Triton's `ModelStreamInfer`, served beside KServe's servicer on the same gRPC server.
+"""Triton's `ModelStreamInfer`, `ModelConfig`, `ModelStatistics` and `RepositoryIndex`, served
+beside KServe's servicer on the same gRPC server.
 
 Several requests may share one stream; each runs concurrently and its responses carry its `id`.
 Every response has the bool parameter `triton_final_response`; a request that sets
@@ -18,11 +19,12 @@ import grpc
 from kserve import InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 
-from predictor import codecs
+from predictor import codecs, triton_codec, triton_status
 from predictor.errors import InvalidRequest, PredictorError
+from predictor.pb import triton_model_pb2 as tpb
 from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
-from predictor.server.rest import Resolve, ready_model
-from predictor.types import TokenEvent
+from predictor.server.rest import Resolve, ready_model, whole
+from predictor.server.triton import Models, find, selected, view
 
 SERVICE = "inference.GRPCInferenceService"
 FINAL = "triton_final_response"
@@ -63,19 +65,28 @@ class StreamInferServicer:
         try:
             model = ready_model(self._resolve, request.model_name)
             v2 = InferRequest.from_grpc(request)
-            (req, *more) = codecs.decode_infer_request(v2, model.default_max_tokens)
+            decoded = triton_codec.decode_infer_request(
+                v2, model.default_max_tokens, streaming=True
+            )
+            (req, *more) = decoded.requests
             if more:
                 raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
             empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
+            every_token = triton_codec.wants_every_token(decoded)
             events = model.stream(req, "grpc")
+            if not decoded.stream:
+                events = whole(events, lambda c: triton_codec.whole_event(decoded, c))
             try:
                 async for event in events:
                     if event.error is not None:
                         await out.put(error(request, event.error))
                         return
-                    if event.text or event.final:
+                    if event.text or event.final or (every_token and event.token_ids):
                         final = event.final and not empty_final
-                        await out.put(token_response(v2, model.name, event, final))
+                        response = triton_codec.encode_stream_response(
+                            v2, model.name, decoded, event
+                        )
+                        await out.put(stream_response(response.to_grpc(), final))
                     if event.final and empty_final:
                         await out.put(empty_final_response(request, model.name))
             finally:
@@ -84,10 +95,7 @@ class StreamInferServicer:
             await out.put(error(request, str(exc)))
 
 
-def token_response(
-    v2: InferRequest, model_name: str, event: TokenEvent, final: bool
-) -> ModelStreamInferResponse:
-    response = codecs.infer_stream_response(v2, model_name, event).to_grpc()
+def stream_response(response: pb.ModelInferResponse, final: bool) -> ModelStreamInferResponse:
     response.parameters[FINAL].bool_param = final
     return ModelStreamInferResponse(infer_response=response)
 
@@ -106,8 +114,42 @@ def error(request: pb.ModelInferRequest, message: str) -> ModelStreamInferRespon
     return ModelStreamInferResponse(error_message=message, infer_response=response)
 
 
-def stream_handler(resolve: Resolve) -> grpc.GenericRpcHandler:
+class TritonStatusServicer:
+    """ModelConfig, ModelStatistics, RepositoryIndex: Triton's RPCs that KServe's servicer lacks."""
+
+    def __init__(self, resolve: Resolve, models: Models) -> None:
+        self._resolve = resolve
+        self._models = models
+
+    async def model_config(
+        self, request: tpb.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> tpb.ModelConfigResponse:
+        try:
+            model = find(self._resolve, request.name, request.version)
+        except PredictorError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return triton_status.config_message(view(model))
+
+    async def model_statistics(
+        self, request: tpb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> tpb.ModelStatisticsResponse:
+        try:
+            chosen = selected(self._resolve, self._models, request.name, request.version)
+        except PredictorError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return triton_status.statistics_message([view(m) for m in chosen])
+
+    async def repository_index(
+        self, request: tpb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> tpb.RepositoryIndexResponse:
+        return triton_status.index_message([view(m) for m in self._models()], request.ready)
+
+
+def stream_handler(resolve: Resolve, models: Models) -> grpc.GenericRpcHandler:
+    """Triton's RPCs that KServe's servicer lacks (it registers only its own method names, so
+    lookups of these fall through to this handler)."""
     servicer = StreamInferServicer(resolve)
+    status = TritonStatusServicer(resolve, models)
     return grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -115,6 +157,21 @@ def stream_handler(resolve: Resolve) -> grpc.GenericRpcHandler:
                 servicer.model_stream_infer,
                 request_deserializer=pb.ModelInferRequest.FromString,
                 response_serializer=ModelStreamInferResponse.SerializeToString,
-            )
+            ),
+            "ModelConfig": grpc.unary_unary_rpc_method_handler(
+                status.model_config,
+                request_deserializer=tpb.ModelConfigRequest.FromString,
+                response_serializer=tpb.ModelConfigResponse.SerializeToString,
+            ),
+            "ModelStatistics": grpc.unary_unary_rpc_method_handler(
+                status.model_statistics,
+                request_deserializer=tpb.ModelStatisticsRequest.FromString,
+                response_serializer=tpb.ModelStatisticsResponse.SerializeToString,
+            ),
+            "RepositoryIndex": grpc.unary_unary_rpc_method_handler(
+                status.repository_index,
+                request_deserializer=tpb.RepositoryIndexRequest.FromString,
+                response_serializer=tpb.RepositoryIndexResponse.SerializeToString,
+            ),
         },
     )

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kserve import InferRequest
 from kserve.protocol.rest.v2_datamodels import InferenceRequest
 
-from predictor import codecs
+from predictor import codecs, triton_codec
 from predictor.engine.client import EngineClient, complete
 from predictor.errors import (
     EngineUnavailable,
@@ -24,7 +24,8 @@ from predictor.errors import (
     Overloaded,
     PredictorError,
 )
-from predictor.types import GenerateRequest, TokenEvent
+from predictor.statistics import InferenceStatistics
+from predictor.types import Completion, GenerateRequest, TokenEvent
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 RETRY_AFTER_SECONDS = "1"
@@ -36,6 +37,7 @@ class ServedModel(Protocol):
     llm: EngineClient
     default_max_tokens: int
     ready: bool
+    statistics: InferenceStatistics
 
     def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]: ...
 
@@ -77,7 +79,9 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 async def start_stream(
-    events: AsyncIterator[TokenEvent], encode: Callable[[TokenEvent], dict[str, Any]]
+    events: AsyncIterator[TokenEvent],
+    encode: Callable[[TokenEvent], dict[str, Any]],
+    every_token: bool = False,
 ) -> Response:
     """Wait for the first event (errors before it are JSON errors), then stream as SSE."""
     try:
@@ -93,7 +97,7 @@ async def start_stream(
                 if event.error is not None:
                     yield sse({"error": event.error})
                     return
-                if event.text or event.final:
+                if event.text or event.final or (every_token and event.token_ids):
                     yield sse(encode(event))
                 if event.final:
                     return
@@ -106,6 +110,19 @@ async def start_stream(
     return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
+async def whole(
+    events: AsyncIterator[TokenEvent],
+    as_event: Callable[[Completion], TokenEvent] | None = None,
+) -> AsyncIterator[TokenEvent]:
+    """A request's events as one final event holding the whole text (a non-streamed answer)."""
+    completion = await complete(events)
+    if as_event is not None:
+        yield as_event(completion)
+        return
+    c = completion
+    yield TokenEvent(c.request_id, c.text, (), c.finish_reason, c.usage, logprobs=c.logprobs)
+
+
 async def read_json(request: Request) -> Any:
     try:
         return await request.json()
@@ -116,14 +133,19 @@ async def read_json(request: Request) -> Any:
 def build_router(resolve: Resolve) -> APIRouter:
     router = APIRouter()
 
-    async def parse_generate(request: Request, name: str) -> tuple[ServedModel, GenerateRequest]:
+    async def parse_generate(
+        request: Request, name: str, streaming: bool
+    ) -> tuple[ServedModel, GenerateRequest, bool]:
         model = ready_model(resolve, name)
         body = await read_json(request)
-        return model, codecs.decode_generate_request(body, model.default_max_tokens)
+        req, stream = triton_codec.decode_generate_request(
+            body, model.default_max_tokens, streaming
+        )
+        return model, req, stream
 
     async def generate(request: Request, model_name: str) -> Response:
         try:
-            model, req = await parse_generate(request, model_name)
+            model, req, _ = await parse_generate(request, model_name, streaming=False)
             completion = await complete(model.stream(req, "rest"))
         except PredictorError as exc:
             return error_response(exc)
@@ -131,11 +153,13 @@ def build_router(resolve: Resolve) -> APIRouter:
 
     async def generate_stream(request: Request, model_name: str) -> Response:
         try:
-            model, req = await parse_generate(request, model_name)
+            model, req, stream = await parse_generate(request, model_name, streaming=True)
         except PredictorError as exc:
             return error_response(exc)
+        events = model.stream(req, "rest")
         return await start_stream(
-            model.stream(req, "rest"), lambda e: codecs.generate_stream_event(model.name, e)
+            events if stream else whole(events),
+            lambda e: codecs.generate_stream_event(model.name, e),
         )
 
     async def infer_stream(request: Request, model_name: str) -> Response:
@@ -148,18 +172,25 @@ def build_router(resolve: Resolve) -> APIRouter:
                 )
             except Exception as exc:  # pydantic's or KServe's own validation
                 raise InvalidRequest(f"not a V2 inference request: {exc}") from exc
-            (req, *more) = codecs.decode_infer_request(v2, model.default_max_tokens)
+            decoded = triton_codec.decode_infer_request(
+                v2, model.default_max_tokens, streaming=True
+            )
+            (req, *more) = decoded.requests
             if more:
                 raise InvalidRequest("infer_stream takes one text_input element")
         except PredictorError as exc:
             return error_response(exc)
 
         def encode(event: TokenEvent) -> dict[str, Any]:
-            body, _ = codecs.infer_stream_response(v2, model.name, event).to_rest()
+            response = triton_codec.encode_stream_response(v2, model.name, decoded, event)
+            body, _ = response.to_rest()
             assert isinstance(body, dict)
             return body
 
-        return await start_stream(model.stream(req, "rest"), encode)
+        events = model.stream(req, "rest")
+        if not decoded.stream:
+            events = whole(events, lambda c: triton_codec.whole_event(decoded, c))
+        return await start_stream(events, encode, triton_codec.wants_every_token(decoded))
 
     def route(
         path: str,
@@ -186,7 +217,7 @@ def build_router(resolve: Resolve) -> APIRouter:
                 f"{prefix}/{path}", endpoint, methods=["POST"], openapi_extra=openapi
             )
 
-    route("generate", generate, codecs.GENERATE_REQUEST_SCHEMA, streams=False)
-    route("generate_stream", generate_stream, codecs.GENERATE_REQUEST_SCHEMA, streams=True)
+    route("generate", generate, triton_codec.GENERATE_REQUEST_SCHEMA, streams=False)
+    route("generate_stream", generate_stream, triton_codec.GENERATE_REQUEST_SCHEMA, streams=True)
     route("infer_stream", infer_stream, codecs.INFER_REQUEST_SCHEMA, streams=True)
     return router
