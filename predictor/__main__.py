@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from prometheus_client import REGISTRY
 
