@@ -15,13 +15,14 @@ from prometheus_client import REGISTRY
 
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.null_runner import NullRunner
 from predictor.engine.runner import ModelRunner, UnsupportedModel
 from predictor.engine.scheduler import Scheduler
-from predictor.engine.step_loop import StepLoop
+from predictor.engine.step_loop import Runner, StepLoop
 from predictor.errors import CheckpointError
 from predictor.metrics import Metrics
 from predictor.model.layout import resolve_checkpoint_dir
-from predictor.model.loader import LoadedModel, load_checkpoint
+from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only
 from predictor.settings import Settings
 
 log = logging.getLogger("predictor")
@@ -32,16 +33,21 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
     allocator = BlockAllocator(
         blocks_for(settings.max_cache_tokens, settings.kv_block_size), settings.kv_block_size
     )
-    try:
-        runner = ModelRunner(
-            loaded.model,
-            loaded.device,
-            allocator.num_blocks,
-            allocator.block_size,
-            threads=settings.torch_threads,
-        )
-    except UnsupportedModel as exc:
-        raise CheckpointError(str(exc)) from exc
+    runner: Runner
+    if settings.runner == "null":
+        vocab = len(loaded.tokenizer)
+        runner = NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
+    else:
+        try:
+            runner = ModelRunner(
+                loaded.model,
+                loaded.device,
+                allocator.num_blocks,
+                allocator.block_size,
+                threads=settings.torch_threads,
+            )
+        except UnsupportedModel as exc:
+            raise CheckpointError(str(exc)) from exc
     scheduler = Scheduler(settings.max_batch_size, settings.max_waiting)
     step_loop = StepLoop(
         runner,
@@ -78,7 +84,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = resolve_checkpoint_dir(settings.model_dir)
         # One thread here: only the step loop's thread runs torch in parallel (see
         # ModelRunner.bind_thread).
-        loaded = load_checkpoint(model_dir, settings.device, threads=1)
+        if settings.runner == "null":
+            loaded = load_tokenizer_only(model_dir)
+        else:
+            loaded = load_checkpoint(model_dir, settings.device, threads=1)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ class Settings:
     enable_grpc: bool = True
     threads: int = 0  # 0: every core this process may use
     device: str = "auto"  # auto | cpu | cuda
+    runner: str = "model"  # model | null (no forward pass: benchmarks the serving stack)
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
@@ -73,6 +74,8 @@ class Settings:
             )
         if self.max_step_tokens <= self.max_batch_size:
             raise ValueError("--max-step-tokens must exceed --max-batch-size (room for prefill)")
+        if self.runner not in ("model", "null"):
+            raise ValueError(f"--runner must be model or null, got {self.runner!r}")
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
@@ -94,6 +97,8 @@ _HELP = {
     "enable_grpc": "serve gRPC",
     "threads": "torch CPU threads (0: all cores available to the process)",
     "device": "auto, cpu or cuda",
+    "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
+    "(measures everything around the model; benchmarks only)",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",

@@ -60,6 +60,9 @@ class StepLoop:
         # called on this thread after each step: AsyncEngine hands the step's events to asyncio
         # in one batch there (one wake-up of the event loop per step, not one per row)
         self.after_step: Callable[[], None] | None = None
+        # when the last step (or idle wait) ended, for liveness: rows running and no step done
+        # for a long time means a hung kernel
+        self.last_progress = clock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -91,12 +94,14 @@ class StepLoop:
             if not self.batch and not self.scheduler.waiting():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+                self.last_progress = self._clock()
                 continue
             try:
                 self.step()
             except Exception as exc:  # a bug here must not kill the engine
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {exc}")
+            self.last_progress = self._clock()
             self._after_step()
         self._fail_all("engine stopped")
         for seq in self.scheduler.drain():

@@ -106,3 +106,23 @@ def _kernel_name(model: Any) -> str:
         if type(module).__module__.startswith("gptqmodel"):
             return type(module).__name__
     return "none"
+
+
+def load_tokenizer_only(path: Path) -> LoadedModel:
+    """The tokenizer of a checkpoint and no model: for the null runner (`--runner null`), which
+    measures the serving stack without a forward pass. It never ends a request on its own."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise CheckpointError(f"{path} has no loadable tokenizer: {exc}") from exc
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        device=torch.device("cpu"),
+        eos_ids=frozenset(),
+        pad_token_id=_pad_id(tokenizer),
+        context_length=1 << 16,
+        kernel="null",
+    )
