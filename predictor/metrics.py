@@ -68,7 +68,7 @@ class Metrics:
             labels, registry=registry, buckets=_LATENCY_BUCKETS,
         )  # fmt: skip
         self.batch_size = Histogram(
-            "predictor_batch_size", "Rows in each decode step.",
+            "predictor_batch_size", "Rows that got a token in each engine step.",
             labels, registry=registry, buckets=_BATCH_BUCKETS,
         )  # fmt: skip
         self.prompt_tokens = Counter(
@@ -123,7 +123,7 @@ class Metrics:
             alias.labels(self.model_name).set_function(read)
 
     def observe_batch(self, rows: int) -> None:
-        """Called by the step loop after each decode step."""
+        """Called by the step loop after each step that produced tokens, with their number."""
         self.batch_size.labels(self.model_name).observe(rows)
         self.statistics.record_execution()
 

@@ -11,8 +11,9 @@ Fed by `Metrics`: `record_request` when a request's event stream ends (the event
 - compute_input: arrival to the first token less the queue wait (tokenization and prefill);
   compute_infer: first to last token (decode); compute_output: last token to the final event.
   Counted for every request that produced a token; the queue wait is subtracted as a sum.
-- inference_count: successful requests; execution_count: batched decode steps, each one forward
-  pass over every running request (continuous batching: many requests share an execution).
+- inference_count: successful requests; execution_count: engine steps that produced tokens, each
+  one forward pass over every running request (continuous batching: many requests share an
+  execution; the pass that finishes a prompt's prefill makes its first token).
 """
 
 from __future__ import annotations

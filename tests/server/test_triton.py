@@ -201,8 +201,9 @@ def test_statistics_count_a_known_mix_exactly(server: ServerProcess) -> None:
     assert delta("inference_stats", "queue", "count") == 4
     for part in ("compute_input", "compute_infer", "compute_output"):
         assert delta("inference_stats", part, "count") == 4
-    # one decode step per token after the first (prefill makes the first): 2 + 1 + 3 + 1
-    assert delta("execution_count") == 7
+    # one model execution (forward pass) per generated token, the first being the prefill's
+    # pass (these prompts fit one chunk): 3 + 2 + 4 + 2
+    assert delta("execution_count") == 11
     assert (
         delta("inference_stats", "success", "ns")
         > delta("inference_stats", "compute_infer", "ns")
