@@ -118,4 +118,3 @@ class LLMPredictor(Model):
     ) -> list[Completion]:
         """Every prompt's whole answer; the first failure cancels the others at once."""
         return await complete_all(await self.stream_all(requests, protocol))
-

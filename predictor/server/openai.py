@@ -72,6 +72,7 @@ def _sse(data: str) -> bytes:
 
 DONE = b"data: [DONE]\n\n"
 
+
 async def gather_all(work: Sequence[Awaitable[TokenEvent]]) -> list[TokenEvent]:
     """Every result, or the first error once the rest are cancelled."""
     if len(work) == 1:

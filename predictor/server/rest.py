@@ -128,7 +128,7 @@ async def whole(
 async def read_json(request: Request) -> Any:
     try:
         return await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
