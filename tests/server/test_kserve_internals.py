@@ -64,7 +64,6 @@ def test_item_exception_handlers() -> None:
     )
 
 
-
 def test_item_copied_grpc_start() -> None:
     from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
     from kserve.protocol.grpc.server import GRPCServer
