@@ -263,3 +263,16 @@ def test_admission_failure_fails_that_request_only(tiny_dense: Tiny) -> None:
         loop.step()
     assert good_sink.finish_reason is FinishReason.LENGTH and len(good.output_ids) == 8
     assert loop.allocator.used == 0 and loop.allocator.reserved == 0
+
+
+async def test_a_request_being_prefilled_counts_as_in_flight(tiny_dense: Tiny) -> None:
+    runner = GatedRunner(tiny_dense.runner())
+    runner.gate.clear()  # the first forward pass (its prefill) cannot end yet
+    with engine_on(tiny_dense, runner=runner) as (engine, scheduler):
+        work = asyncio.create_task(complete(engine.generate(req("p", 2))))
+        await wait_for(lambda: "p" in scheduler.seen and engine.running() == 1)
+        assert scheduler.seen["p"].prefilling and engine.waiting() == 0
+        # what Drain waits for: running() + waiting() stays 1 until the request ends
+        runner.gate.set()
+        assert (await work).usage.generated_tokens == 2
+        assert engine.running() + engine.waiting() == 0
