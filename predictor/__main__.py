@@ -70,12 +70,16 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         max_tokens_limit=settings.max_tokens_limit,
         max_prompt_tokens=max_prompt,
         default_timeout=settings.request_timeout or None,
+        max_prompts=settings.max_prompts,
+        stall_seconds=settings.stall_seconds,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
-    sys.argv = sys.argv[:1]  # KServe's import-time argv parser must see none of our flags
+    # KServe's import-time argv parser must see none of our flags (kserve_internals item 1;
+    # that module imports kserve, so the wipe itself is done here, before any kserve import)
+    sys.argv = sys.argv[:1]
     os.environ["HF_HOME"] = str(settings.hf_home)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -108,13 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serving %s from %s on %s (kernel %s, %d threads)",
         name, model_dir, loaded.device, loaded.kernel, settings.torch_threads,
     )  # fmt: skip
-    server = PredictorServer(
-        host=settings.host,
-        http_port=settings.http_port,
-        grpc_port=settings.grpc_port,
-        enable_grpc=settings.enable_grpc,
-        grace_period=settings.drain_seconds,
-    )
+    server = PredictorServer(settings)
     server.start([predictor])
     return 0
 

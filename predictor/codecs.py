@@ -7,6 +7,7 @@ InferParameter. `plain_parameters` turns both into one dict before anything read
 from __future__ import annotations
 
 import json
+import math
 import struct
 import uuid
 from collections.abc import Mapping
@@ -30,6 +31,42 @@ TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_ID_LENGTH = 256  # characters of a request id (REST, gRPC, ModelStreamInfer alike)
+DEFAULT_MAX_JSON_DEPTH = 32
+
+
+def check_plain(value: Any, max_depth: int = DEFAULT_MAX_JSON_DEPTH, where: str = "body") -> None:
+    """Refuse what JSON parsers let through but nothing downstream can handle: non-finite
+    numbers (NaN, Infinity, 1e999), lone surrogates (a "\\ud800" escape) in any string or key,
+    and nesting deeper than `max_depth`. Iterative: a deep value cannot exhaust the stack."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > max_depth:
+                raise InvalidRequest(f"the {where} is nested deeper than {max_depth} levels")
+            if isinstance(item, dict):
+                for key, inner in item.items():
+                    _check_string(key, where)
+                    stack.append((inner, depth + 1))
+            else:
+                stack.extend((inner, depth + 1) for inner in item)
+        elif isinstance(item, str):
+            _check_string(item, where)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise InvalidRequest(f"the {where} holds a non-finite number ({item})")
+
+
+def _check_string(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(f"the {where} holds a lone surrogate (invalid Unicode)") from exc
+
+
+def check_id(request_id: Any) -> None:
+    if isinstance(request_id, str) and len(request_id) > MAX_ID_LENGTH:
+        raise InvalidRequest(f"'id' is {len(request_id)} characters; at most {MAX_ID_LENGTH}")
 
 
 def plain_parameters(raw: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -89,7 +126,7 @@ def _stop(params: Mapping[str, Any]) -> tuple[str, ...]:
         if value.startswith("["):
             try:
                 value = json.loads(value)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise InvalidRequest("parameter 'stop' is not a valid JSON array") from exc
         else:
             value = [value]
@@ -172,6 +209,7 @@ def _text(value: Any) -> str:
         except UnicodeDecodeError as exc:
             raise InvalidRequest(f"{TEXT_INPUT} is not valid UTF-8: {exc}") from exc
     if isinstance(value, str):
+        _check_string(value, TEXT_INPUT)
         return value
     raise InvalidRequest(f"{TEXT_INPUT} elements must be strings")
 
@@ -205,6 +243,8 @@ def decode_infer_request(
         raise InvalidRequest(f"input '{TEXT_INPUT}' must not contain empty strings")
     if params is None:
         params = plain_parameters(request.parameters)
+    check_id(request.id)
+    check_plain(params, where="parameters")
     sampling = sampling_from_parameters(params, default_max_tokens)
     chat, timeout = request_options(params)
     base = request.id or uuid.uuid4().hex
@@ -272,6 +312,8 @@ def decode_generate_request(body: Any, default_max_tokens: int) -> GenerateReque
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str | int):
         raise InvalidRequest("'id' must be a string")
+    check_id(request_id)
+    check_plain(body)
     sampling = sampling_from_parameters(params, default_max_tokens)
     chat, timeout = request_options(params)
     rid = str(request_id) if request_id is not None else uuid.uuid4().hex

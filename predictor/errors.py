@@ -1,12 +1,22 @@
-"""One exception hierarchy for the predictor. Adapters map it to status codes; nothing else does.
+"""One exception hierarchy for the predictor, and the one table that maps it to status codes.
 
 PredictorError
 ├── InvalidRequest        bad input from a client            (HTTP 400, gRPC INVALID_ARGUMENT)
-├── Overloaded            waiting queue is full              (HTTP 429, gRPC RESOURCE_EXHAUSTED)
+│   └── BodyTooLarge      a body past --max-body-bytes       (HTTP 413, gRPC RESOURCE_EXHAUSTED)
+├── Forbidden             an operation switched off by flag  (HTTP 403, gRPC PERMISSION_DENIED)
+├── ModelMissing          no model of that name              (HTTP 404, gRPC NOT_FOUND)
+├── Overloaded            waiting queue (or a limit) is full (HTTP 429, gRPC RESOURCE_EXHAUSTED)
 ├── EngineUnavailable     engine stopped or draining         (HTTP 503, gRPC UNAVAILABLE)
 ├── GenerationFailed      a request failed inside the engine (HTTP 500, gRPC INTERNAL)
 └── CheckpointError       a model folder that cannot be served (startup: one line, exit 2)
+
+Adapters turn an error into a status with `status_of` and nothing else. Any other exception is a
+server fault: 500 / INTERNAL with `SERVER_FAULT` as the message, the detail in the log only.
 """
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class PredictorError(Exception):
@@ -14,6 +24,18 @@ class PredictorError(Exception):
 
 
 class InvalidRequest(PredictorError):
+    pass
+
+
+class BodyTooLarge(InvalidRequest):
+    pass
+
+
+class Forbidden(PredictorError):
+    pass
+
+
+class ModelMissing(PredictorError):
     pass
 
 
@@ -31,3 +53,38 @@ class GenerationFailed(PredictorError):
 
 class CheckpointError(PredictorError):
     pass
+
+
+SERVER_FAULT = "internal server error (see the server log)"
+
+
+@dataclass(frozen=True)
+class Status:
+    http: int
+    grpc: str  # the name of a grpc.StatusCode member (this module imports no grpc)
+    client_fault: bool  # the message is the client's to read; else it is SERVER_FAULT
+
+
+# most specific first: the first class the error is an instance of decides
+STATUS_TABLE: tuple[tuple[type[PredictorError], Status], ...] = (
+    (BodyTooLarge, Status(413, "RESOURCE_EXHAUSTED", True)),
+    (InvalidRequest, Status(400, "INVALID_ARGUMENT", True)),
+    (Forbidden, Status(403, "PERMISSION_DENIED", True)),
+    (ModelMissing, Status(404, "NOT_FOUND", True)),
+    (Overloaded, Status(429, "RESOURCE_EXHAUSTED", True)),
+    (EngineUnavailable, Status(503, "UNAVAILABLE", True)),
+    (GenerationFailed, Status(500, "INTERNAL", True)),
+)
+SERVER_FAULT_STATUS = Status(500, "INTERNAL", False)
+
+
+def status_of(exc: BaseException) -> Status:
+    for kind, status in STATUS_TABLE:
+        if isinstance(exc, kind):
+            return status
+    return SERVER_FAULT_STATUS
+
+
+def message_of(exc: BaseException) -> str:
+    """What the client reads: our own message, or SERVER_FAULT (never an exception's text)."""
+    return str(exc) if status_of(exc).client_fault else SERVER_FAULT

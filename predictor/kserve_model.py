@@ -5,40 +5,35 @@ An adapter: it parses with `codecs`, calls the engine, encodes; it maps our erro
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import Sequence
 from typing import Any
 
-from grpc_interceptor import exceptions as grpc_status
+import grpc
+from grpc_interceptor.exceptions import GrpcException
 from kserve import InferRequest, InferResponse, Model
-from kserve.errors import InferenceError, InvalidInput
+from kserve.errors import InvalidInput
 
 from predictor import codecs, triton_codec
-from predictor.engine.client import EngineClient, complete
-from predictor.errors import (
-    EngineUnavailable,
-    InvalidRequest,
-    Overloaded,
-    PredictorError,
-)
-from predictor.metrics import Metrics
+from predictor.engine.client import EngineClient, complete_all
+from predictor.errors import PredictorError, message_of, status_of
+from predictor.metrics import Metrics, ObservedStream
 from predictor.statistics import InferenceStatistics
-from predictor.types import GenerateRequest, TokenEvent
+from predictor.types import Completion, GenerateRequest
+
+log = logging.getLogger(__name__)
 
 
-def to_kserve_error(exc: PredictorError, grpc: bool) -> Exception:
+def to_kserve_error(exc: BaseException, from_grpc: bool) -> Exception:
     """Our errors as KServe's REST handlers and gRPC interceptor understand them.
 
-    Over REST, Overloaded and EngineUnavailable stay ours: the server's handler answers 429 with
-    Retry-After and 503. Over gRPC they become RESOURCE_EXHAUSTED and UNAVAILABLE.
+    Over REST our errors stay ours: the server's handler answers with `errors.STATUS_TABLE`
+    (429 with Retry-After, ...). Over gRPC they become the table's status code, which KServe's
+    interceptor passes through as it is; server faults are INTERNAL with a short message.
     """
-    if isinstance(exc, InvalidRequest):
-        return InvalidInput(str(exc))
-    if isinstance(exc, Overloaded):
-        return grpc_status.ResourceExhausted(str(exc)) if grpc else exc
-    if isinstance(exc, EngineUnavailable):
-        return grpc_status.Unavailable(str(exc)) if grpc else exc
-    return InferenceError(str(exc))
+    if not from_grpc:
+        return exc if isinstance(exc, PredictorError) else RuntimeError(message_of(exc))
+    return GrpcException(message_of(exc), getattr(grpc.StatusCode, status_of(exc).grpc))
 
 
 class LLMPredictor(Model):
@@ -86,21 +81,40 @@ class LLMPredictor(Model):
                 payload, self.default_max_tokens, streaming=False
             )
             protocol = "grpc" if payload.from_grpc else "rest"
-            completions = await asyncio.gather(
-                *(complete(self.stream(r, protocol)) for r in decoded.requests)
-            )
+            completions = await self.complete_all(decoded.requests, protocol)
         except PredictorError as exc:
             raise to_kserve_error(exc, payload.from_grpc) from exc
-        return triton_codec.encode_infer_response(payload, self.name, decoded, list(completions))
+        except Exception as exc:
+            log.exception("V2 infer failed")
+            raise to_kserve_error(exc, payload.from_grpc) from exc
+        return triton_codec.encode_infer_response(payload, self.name, decoded, completions)
 
     @property
     def statistics(self) -> InferenceStatistics:
         """Triton's ModelStatistics figures, recorded with the metrics."""
         return self.metrics.statistics
 
-    def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]:
+    def stream(self, request: GenerateRequest, protocol: str) -> ObservedStream:
         """Token events of one request, measured; closing the iterator aborts the request.
 
         Raises InvalidRequest / Overloaded / EngineUnavailable before the first event.
         """
         return self.metrics.observe(self.llm.generate(request), protocol)
+
+    async def stream_all(
+        self, requests: Sequence[GenerateRequest], protocol: str
+    ) -> list[ObservedStream]:
+        """Several prompts as one unit (all admitted or none), each stream measured."""
+        try:
+            streams = await self.llm.generate_all(requests)
+        except PredictorError:
+            for _ in requests:
+                self.metrics.requests.labels(self.name, protocol, "rejected").inc()
+            raise
+        return [self.metrics.observe(s, protocol) for s in streams]
+
+    async def complete_all(
+        self, requests: Sequence[GenerateRequest], protocol: str
+    ) -> list[Completion]:
+        """Every prompt's whole answer; the first failure cancels the others at once."""
+        return await complete_all(await self.stream_all(requests, protocol))

@@ -132,40 +132,64 @@ class Metrics:
         self.queue_time.labels(self.model_name).observe(seconds)
         self.statistics.record_queue(seconds)
 
-    async def observe(
-        self, events: AsyncIterator[TokenEvent], protocol: str
-    ) -> AsyncIterator[TokenEvent]:
+    def observe(self, events: AsyncIterator[TokenEvent], protocol: str) -> ObservedStream:
         """Pass a request's events through, timing and counting them."""
-        model = self.model_name
-        start = last = time.monotonic()
-        first_token: float | None = None
-        end: float | None = None
-        reason = "cancelled"
+        return ObservedStream(self, events, protocol)
+
+
+class ObservedStream:
+    """A request's events, measured. A class rather than an async generator: closing it closes
+    the engine's stream (aborting the request) even if it was never iterated."""
+
+    def __init__(self, metrics: Metrics, events: AsyncIterator[TokenEvent], protocol: str) -> None:
+        self._metrics = metrics
+        self._events = events
+        self._protocol = protocol
+        self._start = self._last = time.monotonic()
+        self._first_token: float | None = None
+        self._end: float | None = None
+        self._reason = "cancelled"
+        self._counted = False
+
+    def __aiter__(self) -> ObservedStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        m, model = self._metrics, self._metrics.model_name
         try:
-            async for event in events:
-                now = time.monotonic()
-                if event.token_ids:
-                    hist = self.ttft if first_token is None else self.tpot
-                    hist.labels(model).observe(now - last)
-                    self.generation_tokens.labels(model).inc(len(event.token_ids))
-                    first_token = now if first_token is None else first_token
-                    last = now
-                if event.final and event.finish_reason is not None:
-                    reason, end = event.finish_reason.value, now
-                    self.e2e.labels(model).observe(now - start)
-                    if event.usage is not None:
-                        self.prompt_tokens.labels(model).inc(event.usage.prompt_tokens)
-                yield event
+            event = await self._events.__anext__()
         except PredictorError:
-            reason = "rejected"
+            self._reason = "rejected"
+            await self.aclose()
             raise
-        finally:
-            self.requests.labels(model, protocol, reason).inc()
+        except BaseException:
+            await self.aclose()
+            raise
+        now = time.monotonic()
+        if event.token_ids:
+            hist = m.ttft if self._first_token is None else m.tpot
+            hist.labels(model).observe(now - self._last)
+            m.generation_tokens.labels(model).inc(len(event.token_ids))
+            self._first_token = now if self._first_token is None else self._first_token
+            self._last = now
+        if event.final and event.finish_reason is not None:
+            self._reason, self._end = event.finish_reason.value, now
+            m.e2e.labels(model).observe(now - self._start)
+            if event.usage is not None:
+                m.prompt_tokens.labels(model).inc(event.usage.prompt_tokens)
+        return event
+
+    async def aclose(self) -> None:
+        if not self._counted:
+            self._counted = True
+            m = self._metrics
+            m.requests.labels(m.model_name, self._protocol, self._reason).inc()
+            first = self._first_token
             timing = RequestTiming(
-                reason in _SUCCEEDED,
-                (end or time.monotonic()) - start,
-                None if first_token is None else first_token - start,
-                None if first_token is None else last - start,
+                self._reason in _SUCCEEDED,
+                (self._end or time.monotonic()) - self._start,
+                None if first is None else first - self._start,
+                None if first is None else self._last - self._start,
             )
-            self.statistics.record_request(timing)
-            await events.aclose()  # type: ignore[attr-defined]
+            m.statistics.record_request(timing)
+        await self._events.aclose()  # type: ignore[attr-defined]

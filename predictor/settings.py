@@ -38,6 +38,13 @@ class Settings:
     max_prompt_tokens: int = 0  # 0: the model's context length minus max_tokens_limit
     request_timeout: float = 0.0  # seconds a request may run (0: no server default)
     drain_seconds: int = 30  # on SIGTERM: how long requests in flight may take to finish
+    max_prompts: int = 16  # prompts in one request (V2 text_input [N], OpenAI n x prompts)
+    max_body_bytes: int = 8 * 1024 * 1024  # REST body and gRPC message size (413 past it)
+    max_json_depth: int = 32  # nesting of a JSON body
+    max_stream_requests: int = 64  # requests in progress on one ModelStreamInfer stream
+    stream_queue_size: int = 256  # responses buffered per ModelStreamInfer stream
+    model_control: bool = False  # allow repository load/unload (Triton's explicit mode)
+    stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     hf_home: Path = Path.home() / ".cache" / "huggingface"
 
@@ -76,6 +83,12 @@ class Settings:
             raise ValueError("--max-step-tokens must exceed --max-batch-size (room for prefill)")
         if self.runner not in ("model", "null"):
             raise ValueError(f"--runner must be model or null, got {self.runner!r}")
+        limits = (self.max_prompts, self.max_body_bytes, self.max_json_depth,
+                  self.max_stream_requests, self.stream_queue_size)  # fmt: skip
+        if min(limits) < 1 or self.stall_seconds <= 0:
+            raise ValueError(
+                "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds > 0"
+            )
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
@@ -111,6 +124,17 @@ _HELP = {
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "
     "(0: none; a request's own `timeout` parameter may set one)",
     "drain_seconds": "on SIGTERM, seconds for requests in flight to finish before exit",
+    "max_prompts": "most prompts in one request (V2 text_input [N]; OpenAI n x prompts); "
+    "more is a 400",
+    "max_body_bytes": "largest REST body (413 past it) and gRPC message (RESOURCE_EXHAUSTED)",
+    "max_json_depth": "deepest nesting of a JSON body (400 past it)",
+    "max_stream_requests": "requests in progress on one ModelStreamInfer stream; more get "
+    "error_message RESOURCE_EXHAUSTED",
+    "stream_queue_size": "responses buffered per ModelStreamInfer stream for a slow reader",
+    "model_control": "allow POST /v2/repository/models/{m}/load|unload and their gRPC twins "
+    "(off: 403 / PERMISSION_DENIED, as Triton's --model-control-mode none)",
+    "stall_seconds": "liveness fails when requests are running and no engine step has ended "
+    "for this long (a hung kernel), or the step thread died",
     "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
     "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",

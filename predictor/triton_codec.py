@@ -276,10 +276,11 @@ def _sampling_parameters(tensors: Mapping[str, InferInput]) -> dict[str, Any]:
     raw = _text(_scalar(tensors[SAMPLING_PARAMETERS], "BYTES"), SAMPLING_PARAMETERS)
     try:
         params = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"input '{SAMPLING_PARAMETERS}' is not valid JSON: {exc}") from exc
     if not isinstance(params, dict):
         raise InvalidRequest(f"input '{SAMPLING_PARAMETERS}' must hold a JSON object")
+    codecs.check_plain(params, where=f"input '{SAMPLING_PARAMETERS}'")
     for key in params:
         if key not in PARAMETER_KEYS:
             raise InvalidRequest(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -238,8 +239,9 @@ def test_whole_event_counts_every_token() -> None:
 
 # -- fuzz: whatever arrives is accepted or refused with a reason ---------------------------------
 
+any_text = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates too
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    st.none() | st.booleans() | st.integers() | st.floats() | any_text,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
                                                                 max_size=3),
     max_leaves=8,
@@ -248,7 +250,7 @@ keys = st.sampled_from([*triton_codec.GENERATE_KEYS, "id", "text_input", "parame
 
 
 @given(body=st.dictionaries(keys, json_values), streaming=st.booleans())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 def test_generate_fuzz(body: dict[str, Any], streaming: bool) -> None:
     try:
         request, stream = triton_codec.decode_generate_request(body, 16, streaming)
@@ -256,6 +258,16 @@ def test_generate_fuzz(body: dict[str, Any], streaming: bool) -> None:
         assert str(exc)
         return
     assert request.prompt and request.params.max_tokens >= 1 and isinstance(stream, bool)
+    accepted_is_clean(request)
+
+
+def accepted_is_clean(request: Any) -> None:
+    """What the codecs let through is finite and valid Unicode."""
+    request.prompt.encode()
+    for s in request.params.stop:
+        s.encode()
+    p = request.params
+    assert all(math.isfinite(x) for x in (p.temperature, p.top_p, request.timeout or 0.0))
 
 
 tensor_names = st.sampled_from([spec.name for spec in triton_codec.INPUTS] + ["image"])
@@ -263,12 +275,19 @@ tensors = st.builds(
     lambda name, datatype, values: tensor(name, datatype, values),
     tensor_names,
     st.sampled_from(["BYTES", "BOOL", "INT32", "FP32", "UINT64"]),
-    st.lists(st.booleans() | st.integers(0, 100) | st.text(max_size=8), max_size=2),
+    st.lists(
+        st.booleans()
+        | st.integers(0, 100)
+        | st.floats()
+        | any_text
+        | st.sampled_from(['{"temperature": NaN}', '{"stop": "\\ud800"}', '{"top_p": 1e999}']),
+        max_size=2,
+    ),
 )
 
 
 @given(extra=st.lists(tensors, max_size=4), streaming=st.booleans())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True)
 def test_infer_fuzz(extra: list[InferInput], streaming: bool) -> None:
     try:
         decoded = decode(v2(*extra), streaming)
@@ -276,3 +295,5 @@ def test_infer_fuzz(extra: list[InferInput], streaming: bool) -> None:
         assert str(exc)
         return
     assert decoded.requests and decoded.outputs
+    for request in decoded.requests:
+        accepted_is_clean(request)

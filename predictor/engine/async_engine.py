@@ -1,8 +1,11 @@
 """The asyncio front of the engine: one queue per request, admission, the thread bridge.
 
 Events cross from the step loop thread to the event loop in one place only: the sink made in
-`generate` collects each step's events, and `_flush` (run by the step loop after each step)
+`_sequence` collects each step's events, and `_flush` (run by the step loop after each step)
 hands them over with one `loop.call_soon_threadsafe` per step, not one per row.
+
+Tokenization and chat templating run in a worker thread, never on the event loop. A request
+with several prompts is one unit (`generate_all`): admitted whole or refused whole.
 """
 
 from __future__ import annotations
@@ -39,23 +42,35 @@ class AsyncEngine:
         max_tokens_limit: int,
         max_prompt_tokens: int,
         default_timeout: float | None = None,
+        max_prompts: int = 16,
+        stall_seconds: float = 120.0,
     ) -> None:
         self._loop = step_loop
         self._tokenizer = tokenizer
         self._byte_table = byte_table(tokenizer)
         self.max_tokens_limit = max_tokens_limit
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompts = max_prompts
+        self.stall_seconds = stall_seconds
         self._default_timeout = default_timeout
+        # a token never spells more characters than its vocabulary entry has symbols, so a text
+        # longer than this is too long without tokenizing it
+        longest = max((len(t) for t in _vocabulary(tokenizer)), default=0)
+        self._max_prompt_chars = max_prompt_tokens * longest if longest else None
         self._live: dict[int, EngineSequence] = {}
+        self._preparing = 0  # requests being tokenized: in flight, not yet in the scheduler
         # this step's events, appended and flushed on the step loop thread only
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent], TokenEvent]]
         self._outbox = []
         step_loop.after_step = self._flush
         self._keys = itertools.count()
         self._accepting = True
+        self._started = False
+        self._stopped = False
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
+        self._started = True
         self._loop.start()
 
     def drain(self) -> None:
@@ -65,19 +80,33 @@ class AsyncEngine:
     def stop(self) -> None:
         """Stop the step loop; requests still in flight end with an error."""
         self._accepting = False
+        self._stopped = True
         self._loop.stop()
 
+    def live(self) -> bool:
+        """False when the step thread died without being stopped, or rows are running and no
+        step has completed for `stall_seconds` (a hung kernel): the process should restart."""
+        if self._stopped:
+            return True  # stopped on purpose (drain, unload): readiness says so, not liveness
+        if self._started and not self._loop.alive():
+            return False
+        stalled = time.monotonic() - self._loop.last_progress > self.stall_seconds
+        return not (len(self._loop.batch) and stalled)
+
     def health(self) -> bool:
-        return self._accepting and self._loop.alive()
+        """Ready: accepting requests, the step thread alive and making progress."""
+        return self._accepting and self._loop.alive() and self.live()
 
     def running(self) -> int:
         return len(self._loop.batch)
 
     def waiting(self) -> int:
-        return self._loop.scheduler.waiting()
+        """Requests waiting for a batch row, counting those still being tokenized."""
+        return self._loop.scheduler.waiting() + self._preparing
 
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, request: GenerateRequest) -> list[int]:
+        """Template and tokenize (blocking: called in a worker thread by `generate_all`)."""
         if request.messages is not None or request.chat:
             conversation = (
                 list(request.messages)
@@ -87,8 +116,10 @@ class AsyncEngine:
             text = self._tokenizer.apply_chat_template(
                 conversation, add_generation_prompt=True, tokenize=False
             )
+            self._check_length(text)
             ids = self._tokenizer.encode(text, add_special_tokens=False)
         else:
+            self._check_length(request.prompt)
             ids = self._tokenizer.encode(request.prompt)
         if not ids:
             raise InvalidRequest("text_input must not be empty")
@@ -97,6 +128,13 @@ class AsyncEngine:
                 f"prompt is {len(ids)} tokens; the limit is {self.max_prompt_tokens} tokens"
             )
         return ids
+
+    def _check_length(self, text: str) -> None:
+        if self._max_prompt_chars is not None and len(text) > self._max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt is {len(text)} characters: more than the limit of "
+                f"{self.max_prompt_tokens} tokens"
+            )
 
     def _check(self, request: GenerateRequest) -> None:
         max_tokens = request.params.max_tokens
@@ -116,10 +154,49 @@ class AsyncEngine:
             )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
-        self._check(request)
-        prompt_ids = self.encode_prompt(request)
-        self._check_fits(prompt_ids, request.params.max_tokens)
-        loop = asyncio.get_running_loop()
+        (stream,) = await self.generate_all([request])
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+    async def generate_all(self, requests: Sequence[GenerateRequest]) -> list[RequestStream]:
+        """Several prompts as one unit: each is checked and tokenized, then all are queued at
+        once or none is (InvalidRequest / Overloaded / EngineUnavailable). Closing a stream
+        aborts its request; `complete_all` closes the siblings of one that fails."""
+        if not requests:
+            raise InvalidRequest("a request needs at least one prompt")
+        if len(requests) > self.max_prompts:
+            raise InvalidRequest(
+                f"{len(requests)} prompts in one request; the limit is {self.max_prompts}"
+            )
+        for request in requests:
+            self._check(request)
+        self._preparing += len(requests)
+        try:
+            # off the event loop: a long prompt must not stall the other streams
+            prompts = await asyncio.to_thread(lambda: [self.encode_prompt(r) for r in requests])
+            for request, prompt_ids in zip(requests, prompts, strict=True):
+                self._check_fits(prompt_ids, request.params.max_tokens)
+            if not self.health():  # drained or stopped while tokenizing
+                raise EngineUnavailable("the engine is not accepting requests")
+            loop = asyncio.get_running_loop()
+            made = [self._sequence(r, p, loop) for r, p in zip(requests, prompts, strict=True)]
+            self._loop.scheduler.add_all([seq for seq, _ in made])  # raises Overloaded
+        finally:
+            self._preparing -= len(requests)
+        streams = []
+        for seq, queue in made:
+            key = next(self._keys)
+            self._live[key] = seq
+            streams.append(RequestStream(self, key, seq, queue))
+        self._loop.notify()
+        return streams
+
+    def _sequence(
+        self, request: GenerateRequest, prompt_ids: list[int], loop: asyncio.AbstractEventLoop
+    ) -> tuple[EngineSequence, asyncio.Queue[TokenEvent]]:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
         def sink(event: TokenEvent) -> None:  # runs on the step loop thread
@@ -136,21 +213,13 @@ class AsyncEngine:
             sink=sink,
             deadline=None if timeout is None else time.monotonic() + timeout,
         )
-        self._loop.scheduler.add(seq)  # raises Overloaded
-        key = next(self._keys)
-        self._live[key] = seq
-        self._loop.notify()
-        try:
-            while True:
-                event = await queue.get()
-                yield event
-                if event.final:
-                    return
-        finally:
-            self._live.pop(key, None)
-            if seq.finish_reason is None:  # the consumer left early: free the row
-                seq.aborted = True
-                self._loop.notify()
+        return seq, queue
+
+    def _release(self, key: int, seq: EngineSequence) -> None:
+        self._live.pop(key, None)
+        if seq.finish_reason is None:  # the consumer left early: free the row
+            seq.aborted = True
+            self._loop.notify()
 
     def _flush(self) -> None:
         """On the step loop thread: hand this step's events to their event loops at once."""
@@ -170,6 +239,52 @@ class AsyncEngine:
             if seq.request_id == request_id:
                 seq.aborted = True
         self._loop.notify()
+
+
+class RequestStream:
+    """One admitted request's events. Unlike an async generator, closing it aborts the request
+    even if nobody ever iterated it, and so does cancelling a task waiting on it."""
+
+    def __init__(
+        self, engine: AsyncEngine, key: int, seq: EngineSequence, queue: asyncio.Queue[TokenEvent]
+    ) -> None:
+        self._engine = engine
+        self._key = key
+        self._seq = seq
+        self._queue = queue
+        self._done = False
+
+    @property
+    def request_id(self) -> str:
+        return self._seq.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            event = await self._queue.get()
+        except BaseException:  # cancelled while waiting: the consumer is gone
+            await self.aclose()
+            raise
+        if event.final:
+            await self.aclose()
+        return event
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._engine._release(self._key, self._seq)
+
+
+def _vocabulary(tokenizer: Any) -> list[str]:
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        return list(get_vocab()) if get_vocab is not None else []
+    except Exception:  # a tokenizer without a vocabulary listing: no early length check
+        return []
 
 
 def _deliver(batch: list[tuple[asyncio.Queue[TokenEvent], TokenEvent]]) -> None:

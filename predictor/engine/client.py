@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from predictor.errors import GenerationFailed
@@ -13,6 +14,14 @@ from predictor.types import (
     TokenEvent,
     TokenLogprob,
 )
+
+
+class Stream(Protocol):
+    """One request's events; `aclose` aborts the request if it has not ended."""
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+    async def __anext__(self) -> TokenEvent: ...
+    async def aclose(self) -> None: ...
 
 
 class EngineClient(Protocol):
@@ -34,10 +43,19 @@ class EngineClient(Protocol):
         """
         ...
 
+    async def generate_all(self, requests: Sequence[GenerateRequest]) -> Sequence[Stream]:
+        """Several prompts as one unit: all queued or none (InvalidRequest / Overloaded /
+        EngineUnavailable raised here). Closing a stream aborts its request."""
+        ...
+
     async def abort(self, request_id: str) -> None: ...
 
     def health(self) -> bool:
-        """True while the step loop is alive and accepting work."""
+        """True while the step loop is alive and accepting work (readiness)."""
+        ...
+
+    def live(self) -> bool:
+        """False when the step thread died or rows run but no step completes (liveness)."""
         ...
 
     def running(self) -> int:
@@ -68,3 +86,19 @@ async def complete(events: AsyncIterator[TokenEvent]) -> Completion:
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     raise GenerationFailed("the engine ended the request without a final event")
+
+
+async def complete_all(streams: Sequence[Stream]) -> list[Completion]:
+    """Run several requests (one unit) to the end; the first failure closes the others at once
+    (their rows are freed) and is raised."""
+    if len(streams) == 1:
+        return [await complete(streams[0])]
+    tasks = [asyncio.ensure_future(complete(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:  # a task cancelled before it started never closed its stream
+            await stream.aclose()

@@ -28,6 +28,17 @@ class Scheduler:
                 )
             self._waiting.append(seq)
 
+    def add_all(self, seqs: list[Sequence]) -> None:
+        """Queue every one of `seqs` or none (Overloaded): a request with several prompts is one
+        unit, so a refusal never leaves part of it running."""
+        with self._lock:
+            if len(self._waiting) + len(seqs) > self.max_waiting:
+                raise Overloaded(
+                    f"server is busy: {len(self._waiting)} requests already waiting, "
+                    f"{len(seqs)} more do not fit; retry later"
+                )
+            self._waiting.extend(seqs)
+
     def waiting(self) -> int:
         return len(self._waiting)
 

@@ -98,9 +98,9 @@ class StepLoop:
                 continue
             try:
                 self.step()
-            except Exception as exc:  # a bug here must not kill the engine
+            except Exception:  # a bug here must not kill the engine
                 log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {exc}")
+                self._fail_all("engine step failed")
             self.last_progress = self._clock()
             self._after_step()
         self._fail_all("engine stopped")
@@ -114,7 +114,10 @@ class StepLoop:
 
     def step(self) -> None:
         self._retire()
-        self._admit()
+        try:
+            self._admit()
+        except Exception:  # the running rows go on, untouched
+            log.exception("admitting new requests failed")
         if self.batch:
             self._forward()
 
@@ -136,11 +139,19 @@ class StepLoop:
         if not admitted:
             return
         now = self._clock()
+        joined = []
         for seq in admitted:
-            seq.generator = make_generator(seq.params.seed, self.runner.device)
-            if self._on_admit is not None:
-                self._on_admit(now - seq.arrival)
-        self.batch.extend(admitted)
+            try:
+                seq.generator = make_generator(seq.params.seed, self.runner.device)
+                if self._on_admit is not None:
+                    self._on_admit(now - seq.arrival)
+            except Exception:  # fails this request only; its reservation goes back
+                log.exception("admitting request %s failed", seq.request_id)
+                seq.finish(FinishReason.ERROR, error="the request could not be admitted")
+                self._free(seq)
+                continue
+            joined.append(seq)
+        self.batch.extend(joined)
 
     def _plan(self) -> tuple[list[Sequence], list[StepRow]]:
         """Who is fed what this step: every decoding row one token, then prompt chunks."""
@@ -173,10 +184,10 @@ class StepLoop:
         fed, rows = self._plan()
         try:
             logits = self.runner.forward(rows)
-        except Exception as exc:
+        except Exception:  # the detail goes to the log, a short message to the clients
             log.exception("forward pass failed")
             for seq in fed:  # their cache contents are unknown now; rows not fed are intact
-                seq.finish(FinishReason.ERROR, error=f"forward pass failed: {exc}")
+                seq.finish(FinishReason.ERROR, error="forward pass failed")
             self._compact()
             return
         sampled = []
@@ -193,10 +204,10 @@ class StepLoop:
         # logits: [len(seqs), V]
         try:
             result = sample(logits, seqs, self._eos_ids)
-        except Exception as exc:  # a sampling bug must fail these rows, not the engine
+        except Exception:  # a sampling bug must fail these rows, not the engine
             log.exception("sampling failed")
             for seq in seqs:
-                seq.finish(FinishReason.ERROR, error=f"sampling failed: {exc}")
+                seq.finish(FinishReason.ERROR, error="sampling failed")
             return
         for seq, token, logprob in zip(seqs, result.tokens, result.logprobs, strict=True):
             if token < 0:

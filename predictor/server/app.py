@@ -3,29 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
-from collections.abc import Sequence
-from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from kserve import ModelServer
-from kserve.constants.constants import FASTAPI_APP_IMPORT_STRING
 from kserve.model import BaseKServeModel
-from kserve.model_server import app as kserve_app
-from kserve.protocol.grpc.server import GRPCServer
-from kserve.protocol.rest.server import RESTServer
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.engine.client import EngineClient
-from predictor.errors import PredictorError
+from predictor.errors import Forbidden, PredictorError
+from predictor.server import kserve_internals as internals
 from predictor.server import openai
-from predictor.server.grpc import stream_handler
-from predictor.server.lifecycle import Drain, DrainingDataPlane
+from predictor.server.body import BodyGuard
+from predictor.server.grpc import DecodeGuard, StatusInterceptor, stream_handler
+from predictor.server.lifecycle import Drain, PredictorDataPlane
 from predictor.server.rest import ServedModel, build_router, error_response
 from predictor.server.triton import build_triton_router
+from predictor.settings import Settings
+
+log = logging.getLogger(__name__)
 
 GZIP_MINIMUM_BYTES = 500
 
@@ -71,75 +71,44 @@ async def validation_error_handler(request: Request, exc: Exception) -> Response
     return JSONResponse({"error": f"invalid request body: {problems}"}, status_code=422)
 
 
-class PredictorGRPCServer(GRPCServer):
-    """KServe's gRPC server on our host, with extra generic handlers on the same port."""
+async def server_fault_handler(request: Request, exc: Exception) -> Response:
+    """Anything unexpected: 500 with a short message; the detail goes to the log only."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(exc)
 
-    def __init__(self, host: str, handlers: Sequence[Any], *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._host = host
-        self._handlers = list(handlers)
 
-    async def start(self, max_workers: int) -> None:
-        from concurrent import futures
-
-        from grpc import aio
-        from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc
-        from kserve.protocol.grpc.interceptors import (
-            ExceptionToStatusInterceptor,
-            LoggingInterceptor,
-        )
-        from kserve.protocol.grpc.servicer import InferenceServicer
-
-        servicer = InferenceServicer(self._data_plane, self._model_repository_extension)
-        self._server = aio.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers),
-            interceptors=(LoggingInterceptor(), ExceptionToStatusInterceptor()),
-            options=[
-                ("grpc.max_send_message_length", self._kwargs.get("grpc_max_send_message_length")),
-                (
-                    "grpc.max_receive_message_length",
-                    self._kwargs.get("grpc_max_receive_message_length"),
-                ),
-            ],
-        )
-        grpc_predict_v2_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, self._server)
-        if self._handlers:
-            self._server.add_generic_rpc_handlers(tuple(self._handlers))
-        self._server.add_insecure_port(f"{self._host}:{self._port}")
-        await self._server.start()
-        await self._server.wait_for_termination()
+def forbidden(model_name: str) -> Exception:
+    return Forbidden(
+        f"loading and unloading models is disabled (model '{model_name}'); start the server "
+        "with --model-control true to allow it"
+    )
 
 
 class PredictorServer(ModelServer):
-    def __init__(
-        self,
-        host: str,
-        http_port: int,
-        grpc_port: int,
-        enable_grpc: bool = True,
-        grace_period: int = 30,
-    ) -> None:
+    def __init__(self, settings: Settings) -> None:
         super().__init__(
-            http_port=http_port,
-            grpc_port=grpc_port,
+            http_port=settings.http_port,
+            grpc_port=settings.grpc_port,
             workers=1,  # one engine per process: scale with replicas, not workers
-            enable_grpc=enable_grpc,
-            grace_period=grace_period,
+            enable_grpc=settings.enable_grpc,
+            grace_period=settings.drain_seconds,
         )
-        self.host = host
-        self.dataplane = DrainingDataPlane(model_registry=self.registered_models)
-        self.drain = Drain(self.dataplane, self._engines, grace_period, self._stop_servers)
+        self.settings = settings
+        self.host = settings.host
+        self.dataplane = PredictorDataPlane(model_registry=self.registered_models)
+        internals.install_repository_extension(
+            self,
+            internals.GuardedRepositoryExtension(
+                self.registered_models, settings.model_control, forbidden
+            ),
+        )
+        self.drain = Drain(self.dataplane, self._engines, settings.drain_seconds, self._stop)
 
     def _engines(self) -> list[EngineClient]:
         return [m.llm for m in self.served_models()]
 
-    async def _stop_servers(self, force: bool) -> None:
-        if self._rest_server is not None:
-            uvicorn_server = self._rest_server._server
-            uvicorn_server.should_exit = True
-            uvicorn_server.force_exit = force
-        if self._grpc_server is not None and self._grpc_server._server is not None:
-            await self._grpc_server._server.stop(grace=0 if force else 5)
+    async def _stop(self, force: bool) -> None:
+        await internals.stop_servers(self, force)
 
     def register_signal_handler(self) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -161,47 +130,56 @@ class PredictorServer(ModelServer):
         models = self.registered_models.get_models().values()
         return [m for m in models if isinstance(m, ServedModel)]
 
-    def start(self, models: list[BaseKServeModel]) -> None:
-        self._register_and_check_atleast_one_model_is_ready(models)
-        kserve_app.add_middleware(DefaultJSONContentType)
-        # Unary JSON is compressed for clients that accept it; Starlette never compresses
-        # text/event-stream, so streams are not held back.
-        kserve_app.add_middleware(GZipMiddleware, minimum_size=GZIP_MINIMUM_BYTES)
-        kserve_app.include_router(build_router(self.served_model))
-        # before KServe registers its own routes: ours answer GET /v1/models in both shapes
-        kserve_app.include_router(openai.build_router(self.served_model, self.model_names))
-        kserve_app.include_router(build_triton_router(self.served_model, self.served_models))
-        kserve_app.add_exception_handler(PredictorError, predictor_error_handler)
-        kserve_app.add_exception_handler(RequestValidationError, validation_error_handler)
-        self._rest_server = RESTServer(
-            FASTAPI_APP_IMPORT_STRING,
+    def _build_grpc_server(self) -> internals.PredictorGRPCServer:
+        handler = stream_handler(
+            self.served_model,
+            self.served_models,
+            self.settings.max_stream_requests,
+            self.settings.stream_queue_size,
+        )
+        return internals.PredictorGRPCServer(
+            self.host,
+            [handler],
+            [DecodeGuard(), StatusInterceptor()],
+            self.settings.max_body_bytes,
+            self.grpc_port,
             self.dataplane,
             self.model_repository_extension,
-            self.http_port,
-            access_log_format=self.access_log_format,
-            workers=1,
+            kwargs={},
             grace_period=self.grace_period,
-            event_loop=self.event_loop,
-            timeout_keep_alive=self.timeout_keep_alive,
         )
-        self._rest_server.config.host = self.host
-        # uvicorn installs its own SIGINT/SIGTERM handlers while serving: make them drain too
-        self._rest_server._server.handle_exit = self.drain.on_signal
-        self.servers.append(self._rest_server.start())
-        if self.enable_grpc:
-            self._grpc_server = PredictorGRPCServer(
-                self.host,
-                [stream_handler(self.served_model, self.served_models)],
-                self.grpc_port,
-                self.dataplane,
-                self.model_repository_extension,
-                kwargs={
-                    "grpc_max_send_message_length": 64 * 1024 * 1024,
-                    "grpc_max_receive_message_length": 64 * 1024 * 1024,
-                },
-                grace_period=self.grace_period,
-            )
-            self.servers.append(self._grpc_server.start(self.max_threads))
-        self.setup_event_loop()
-        self.register_signal_handler()
-        asyncio.run(self._serve())
+
+    def start(self, models: list[BaseKServeModel]) -> None:
+        settings = self.settings
+        handlers: list[tuple[type[Exception], internals.ExceptionHandler]] = [
+            (PredictorError, predictor_error_handler),
+            (RequestValidationError, validation_error_handler),
+            (Exception, server_fault_handler),
+        ]
+        internals.install_on_app(
+            middleware=[  # innermost first
+                (
+                    BodyGuard,
+                    {"max_bytes": settings.max_body_bytes, "max_depth": settings.max_json_depth},
+                ),
+                (DefaultJSONContentType, {}),
+                # Unary JSON is compressed for clients that accept it; Starlette never
+                # compresses text/event-stream, so streams are not held back.
+                (GZipMiddleware, {"minimum_size": GZIP_MINIMUM_BYTES}),
+            ],
+            routers=[
+                build_router(self.served_model),
+                # before KServe registers its own routes: ours answer GET /v1/models in both
+                openai.build_router(self.served_model, self.model_names),
+                build_triton_router(self.served_model, self.served_models),
+            ],
+            handlers=handlers,
+        )
+        internals.start_servers(
+            self,
+            models,
+            self.host,
+            handlers,
+            self._build_grpc_server if self.enable_grpc else None,
+            self.drain.on_signal,
+        )

@@ -12,37 +12,122 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
+from grpc import aio
 from kserve import InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
+from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
 
 from predictor import codecs, triton_codec, triton_status
-from predictor.errors import InvalidRequest, PredictorError
+from predictor.errors import (
+    SERVER_FAULT,
+    InvalidRequest,
+    Overloaded,
+    PredictorError,
+    message_of,
+    status_of,
+)
 from predictor.pb import triton_model_pb2 as tpb
 from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
 from predictor.server.rest import Resolve, ready_model, whole
 from predictor.server.triton import Models, find, selected, view
+
+log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
+class Undecodable:
+    """Stands for a message that could not be parsed (see DecodeGuard)."""
+
+    id = ""
+    model_name = ""
+
+
+UNDECODABLE = Undecodable()
+
+
+class DecodeGuard(aio.ServerInterceptor):
+    """An undecodable message is the client's fault: unary calls end INVALID_ARGUMENT (grpc
+    would say INTERNAL), ModelStreamInfer answers it with a per-request error_message."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return decode(data)
+            except Exception:
+                return UNDECODABLE
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if request is UNDECODABLE:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, "the request message cannot be decoded"
+                    )
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                handler.stream_stream, lenient, handler.response_serializer
+            )
+        return handler
+
+
+class StatusInterceptor(ExceptionToStatusInterceptor):
+    """KServe's exception interceptor, with our errors mapped by `errors.STATUS_TABLE` (server
+    faults: INTERNAL with a short message; the detail goes to the log)."""
+
+    async def handle_exception(
+        self, ex: Exception, request_or_iterator: Any, context: Any, method_name: str
+    ) -> None:
+        if isinstance(ex, PredictorError):
+            code = getattr(grpc.StatusCode, status_of(ex).grpc)
+            if code is grpc.StatusCode.INTERNAL:
+                log.error("%s failed: %s", method_name, ex)
+            await context.abort(code, message_of(ex))
+        await super().handle_exception(ex, request_or_iterator, context, method_name)
+
+
 class StreamInferServicer:
-    def __init__(self, resolve: Resolve) -> None:
+    def __init__(self, resolve: Resolve, max_requests: int = 64, queue_size: int = 256) -> None:
         self._resolve = resolve
+        self._max_requests = max_requests
+        self._queue_size = queue_size
 
     async def model_stream_infer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[ModelStreamInferResponse]:
-        out: asyncio.Queue[ModelStreamInferResponse | None] = asyncio.Queue()
+        # bounded: a client that reads slowly holds its own requests back, not the server
+        out: asyncio.Queue[ModelStreamInferResponse | None] = asyncio.Queue(self._queue_size)
         running: set[asyncio.Task[None]] = set()
 
         async def read() -> None:
             async for request in requests:
+                if len(running) >= self._max_requests:
+                    busy = Overloaded(
+                        f"RESOURCE_EXHAUSTED: {len(running)} requests already in progress on "
+                        f"this stream; the limit is {self._max_requests}"
+                    )
+                    await out.put(error(request, str(busy)))
+                    continue
                 task = asyncio.create_task(self._serve(request, out))
                 running.add(task)
                 task.add_done_callback(running.discard)
@@ -63,36 +148,43 @@ class StreamInferServicer:
 
     async def _serve(self, request: pb.ModelInferRequest, out: asyncio.Queue[Any]) -> None:
         try:
-            model = ready_model(self._resolve, request.model_name)
-            v2 = InferRequest.from_grpc(request)
-            decoded = triton_codec.decode_infer_request(
-                v2, model.default_max_tokens, streaming=True
-            )
-            (req, *more) = decoded.requests
-            if more:
-                raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
-            empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
-            every_token = triton_codec.wants_every_token(decoded)
-            events = model.stream(req, "grpc")
-            if not decoded.stream:
-                events = whole(events, lambda c: triton_codec.whole_event(decoded, c))
-            try:
-                async for event in events:
-                    if event.error is not None:
-                        await out.put(error(request, event.error))
-                        return
-                    if event.text or event.final or (every_token and event.token_ids):
-                        final = event.final and not empty_final
-                        response = triton_codec.encode_stream_response(
-                            v2, model.name, decoded, event
-                        )
-                        await out.put(stream_response(response.to_grpc(), final))
-                    if event.final and empty_final:
-                        await out.put(empty_final_response(request, model.name))
-            finally:
-                await events.aclose()  # type: ignore[attr-defined]
+            await self._answer(request, out)
         except PredictorError as exc:
-            await out.put(error(request, str(exc)))
+            await out.put(error(request, message_of(exc)))
+        except Exception:  # every request gets an answer, whatever went wrong
+            log.exception("ModelStreamInfer request %r failed", request.id)
+            await out.put(error(request, SERVER_FAULT))
+
+    async def _answer(self, request: pb.ModelInferRequest, out: asyncio.Queue[Any]) -> None:
+        if isinstance(request, Undecodable):
+            raise InvalidRequest("the request message cannot be decoded")
+        model = ready_model(self._resolve, request.model_name)
+        try:
+            v2 = InferRequest.from_grpc(request)
+        except Exception as exc:  # an unknown datatype, contents that do not fit the shape
+            raise InvalidRequest(f"not a valid inference request: {exc}") from exc
+        decoded = triton_codec.decode_infer_request(v2, model.default_max_tokens, streaming=True)
+        (req, *more) = decoded.requests
+        if more:
+            raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
+        empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
+        every_token = triton_codec.wants_every_token(decoded)
+        events = model.stream(req, "grpc")
+        if not decoded.stream:
+            events = whole(events, lambda c: triton_codec.whole_event(decoded, c))
+        try:
+            async for event in events:
+                if event.error is not None:
+                    await out.put(error(request, event.error))
+                    return
+                if event.text or event.final or (every_token and event.token_ids):
+                    final = event.final and not empty_final
+                    response = triton_codec.encode_stream_response(v2, model.name, decoded, event)
+                    await out.put(stream_response(response.to_grpc(), final))
+                if event.final and empty_final:
+                    await out.put(empty_final_response(request, model.name))
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
 
 def stream_response(response: pb.ModelInferResponse, final: bool) -> ModelStreamInferResponse:
@@ -145,10 +237,12 @@ class TritonStatusServicer:
         return triton_status.index_message([view(m) for m in self._models()], request.ready)
 
 
-def stream_handler(resolve: Resolve, models: Models) -> grpc.GenericRpcHandler:
+def stream_handler(
+    resolve: Resolve, models: Models, max_requests: int = 64, queue_size: int = 256
+) -> grpc.GenericRpcHandler:
     """Triton's RPCs that KServe's servicer lacks (it registers only its own method names, so
     lookups of these fall through to this handler)."""
-    servicer = StreamInferServicer(resolve)
+    servicer = StreamInferServicer(resolve, max_requests, queue_size)
     status = TritonStatusServicer(resolve, models)
     return grpc.method_handlers_generic_handler(
         SERVICE,

@@ -19,19 +19,35 @@ from predictor.engine.client import EngineClient
 log = logging.getLogger(__name__)
 
 
-class DrainingDataPlane(DataPlane):
-    """KServe's data plane, whose server readiness also turns false while draining."""
+class PredictorDataPlane(DataPlane):
+    """KServe's data plane, telling the truth about health.
+
+    Ready: not draining, at least one model registered, and every model ready (its engine
+    accepting work: false once unloaded, stopped, dead or hung). Live: every model's engine is
+    live (`EngineClient.live`: the step thread runs and makes progress when it has work).
+    """
 
     draining = False
 
     async def ready(self) -> bool:
-        return not self.draining and bool(await super().ready())
+        if self.draining or not await super().ready():
+            return False
+        registry = self.model_registry
+        names = list(registry.get_models())
+        return bool(names) and all([await registry.is_model_ready(n) for n in names])
+
+    async def live(self) -> dict[str, str]:
+        models = self.model_registry.get_models().values()
+        engines = [m.llm for m in models if hasattr(m, "llm")]
+        if all(engine.live() for engine in engines):
+            return {"status": "alive"}
+        return {"status": "stalled: the engine's step loop died or makes no progress"}
 
 
 class Drain:
     def __init__(
         self,
-        dataplane: DrainingDataPlane,
+        dataplane: PredictorDataPlane,
         engines: Callable[[], list[EngineClient]],
         grace_seconds: float,
         stop_servers: Callable[[bool], Awaitable[None]],

@@ -12,26 +12,27 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from predictor import openai_requests as requests
 from predictor import openai_responses as responses
-from predictor.engine.client import complete
 from predictor.errors import (
     EngineUnavailable,
     GenerationFailed,
     InvalidRequest,
+    ModelMissing,
     Overloaded,
     PredictorError,
+    message_of,
+    status_of,
 )
 from predictor.openai_requests import InvalidField, OpenAIRequest
 from predictor.server.rest import (
     RETRY_AFTER_SECONDS,
     SSE_HEADERS,
-    ModelMissing,
     Resolve,
     ServedModel,
     read_json,
@@ -43,23 +44,24 @@ PROTOCOL = "openai"
 PREFIXES = ("/openai/v1", "/v1")
 
 
-def error_parts(exc: PredictorError) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """Status, OpenAI error body and headers for one of our errors."""
+def error_parts(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """Status (from `errors.STATUS_TABLE`), OpenAI error body and headers for an error."""
+    status, message = status_of(exc).http, message_of(exc)
     if isinstance(exc, InvalidRequest):
         param = exc.param if isinstance(exc, InvalidField) else None
-        return 400, responses.error_body(str(exc), "invalid_request_error", param), {}
+        return status, responses.error_body(message, "invalid_request_error", param), {}
     if isinstance(exc, ModelMissing):
-        body = responses.error_body(str(exc), "invalid_request_error", "model", "model_not_found")
-        return 404, body, {}
+        body = responses.error_body(message, "invalid_request_error", "model", "model_not_found")
+        return status, body, {}
     if isinstance(exc, Overloaded):
-        body = responses.error_body(str(exc), "rate_limit_error", None, "rate_limit_exceeded")
-        return 429, body, {"Retry-After": RETRY_AFTER_SECONDS}
+        body = responses.error_body(message, "rate_limit_error", None, "rate_limit_exceeded")
+        return status, body, {"Retry-After": RETRY_AFTER_SECONDS}
     if isinstance(exc, EngineUnavailable):
-        return 503, responses.error_body(str(exc), "server_error", None, "unavailable"), {}
-    return 500, responses.error_body(str(exc), "server_error"), {}
+        return status, responses.error_body(message, "server_error", None, "unavailable"), {}
+    return status, responses.error_body(message, "server_error"), {}
 
 
-def error_response(exc: PredictorError) -> JSONResponse:
+def error_response(exc: BaseException) -> JSONResponse:
     status, body, headers = error_parts(exc)
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -70,11 +72,9 @@ def _sse(data: str) -> bytes:
 
 DONE = b"data: [DONE]\n\n"
 
-T = TypeVar("T")
 
-
-async def gather_all(work: Sequence[Awaitable[T]]) -> list[T]:
-    """Every result, or the first error once the rest are cancelled (their rows freed)."""
+async def gather_all(work: Sequence[Awaitable[TokenEvent]]) -> list[TokenEvent]:
+    """Every result, or the first error once the rest are cancelled."""
     if len(work) == 1:
         return [await work[0]]
     tasks = [asyncio.ensure_future(w) for w in work]
@@ -140,7 +140,10 @@ async def close_all(streams: Sequence[AsyncIterator[TokenEvent]]) -> None:
 
 async def start_stream(model: ServedModel, request: OpenAIRequest) -> Response:
     """Wait for every choice's first event (errors before it are JSON errors), then stream."""
-    streams = [model.stream(r, PROTOCOL) for r in request.choices]
+    try:
+        streams = await model.stream_all(request.choices, PROTOCOL)  # one unit: all or none
+    except PredictorError as exc:
+        return error_response(exc)
     try:
         firsts = await gather_all([_first(s) for s in streams])
     except PredictorError as exc:
@@ -176,9 +179,7 @@ async def start_stream(model: ServedModel, request: OpenAIRequest) -> Response:
 
 
 async def answer(model: ServedModel, request: OpenAIRequest) -> Response:
-    results: list[Completion] = await gather_all(
-        [complete(model.stream(r, PROTOCOL)) for r in request.choices]
-    )
+    results: list[Completion] = await model.complete_all(request.choices, PROTOCOL)
     encode = responses.chat_response if request.kind == "chat" else responses.completion_response
     return Response(encode(request, results), media_type="application/json")
 

@@ -7,7 +7,7 @@ JSON error with a status code; an error after it is an SSE event `{"error": ...}
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from fastapi import APIRouter, Request
@@ -19,10 +19,12 @@ from predictor import codecs, triton_codec
 from predictor.engine.client import EngineClient, complete
 from predictor.errors import (
     EngineUnavailable,
-    GenerationFailed,
     InvalidRequest,
+    ModelMissing,
     Overloaded,
     PredictorError,
+    message_of,
+    status_of,
 )
 from predictor.statistics import InferenceStatistics
 from predictor.types import Completion, GenerateRequest, TokenEvent
@@ -41,12 +43,16 @@ class ServedModel(Protocol):
 
     def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]: ...
 
+    async def stream_all(
+        self, requests: Sequence[GenerateRequest], protocol: str
+    ) -> Sequence[AsyncIterator[TokenEvent]]: ...
+
+    async def complete_all(
+        self, requests: Sequence[GenerateRequest], protocol: str
+    ) -> list[Completion]: ...
+
 
 Resolve = Callable[[str], ServedModel | None]
-
-
-class ModelMissing(PredictorError):
-    pass
 
 
 def ready_model(resolve: Resolve, name: str) -> ServedModel:
@@ -59,19 +65,15 @@ def ready_model(resolve: Resolve, name: str) -> ServedModel:
     return model
 
 
-def error_response(exc: PredictorError) -> JSONResponse:
-    status, headers = 500, {}
-    if isinstance(exc, InvalidRequest):
-        status = 400
-    elif isinstance(exc, ModelMissing):
-        status = 404
-    elif isinstance(exc, Overloaded):
-        status, headers = 429, {"Retry-After": RETRY_AFTER_SECONDS}
-    elif isinstance(exc, EngineUnavailable):
-        status = 503
-    elif isinstance(exc, GenerationFailed):
-        status = 500
-    return JSONResponse({"error": str(exc)}, status_code=status, headers=headers)
+def error_headers(exc: BaseException) -> dict[str, str]:
+    return {"Retry-After": RETRY_AFTER_SECONDS} if isinstance(exc, Overloaded) else {}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """`{"error": ...}` with the status `errors.STATUS_TABLE` gives (server faults: 500)."""
+    return JSONResponse(
+        {"error": message_of(exc)}, status_code=status_of(exc).http, headers=error_headers(exc)
+    )
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -126,7 +128,7 @@ async def whole(
 async def read_json(request: Request) -> Any:
     try:
         return await request.json()
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
 
 

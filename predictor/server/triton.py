@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from predictor import triton_status
-from predictor.errors import InvalidRequest, PredictorError
-from predictor.server.rest import ModelMissing, Resolve, ServedModel, error_response, read_json
+from predictor.errors import InvalidRequest, ModelMissing, PredictorError
+from predictor.server.rest import Resolve, ServedModel, error_response, read_json
 
 Models = Callable[[], list[ServedModel]]
 

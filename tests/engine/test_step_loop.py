@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+import pytest
 import torch
 
 from predictor.engine.runner import ModelRunner, StepRow
@@ -159,7 +160,9 @@ class FailOnce(Delegating):
         return self.inner.forward(rows)
 
 
-def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_dense: Tiny) -> None:
+def test_failed_forward_fails_its_batch_and_the_engine_goes_on(
+    tiny_dense: Tiny, caplog: pytest.LogCaptureFixture
+) -> None:
     ps = prompts(tiny_dense, 3, seed=4)
     runner = FailOnce(tiny_dense.runner())
     loop = new_loop(runner, NO_EOS)
@@ -171,7 +174,9 @@ def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_dense: Tiny)
     loop.step()
     for _, sink in first:
         assert sink.finish_reason is FinishReason.ERROR
-        assert "device lost" in (sink.events[-1].error or "")
+        # a short message for the client; the exception's text only in the log
+        assert sink.events[-1].error == "forward pass failed"
+    assert "device lost" in caplog.text
     assert len(loop.batch) == 0
     later, sink = make_sequence(tiny_dense.tokenizer, ps[2], SamplingParams(max_tokens=6))
     drive(loop, {0: [later]}, [sink])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import httpx
@@ -405,6 +405,11 @@ class FakeModel:
             yield TokenEvent(request.request_id, "", (), FinishReason.ERROR, Usage(1, 1), "boom")
 
         return events()
+
+    async def stream_all(
+        self, requests: Sequence[GenerateRequest], protocol: str
+    ) -> list[AsyncIterator[TokenEvent]]:
+        return [self.stream(r, protocol) for r in requests]
 
 
 async def test_error_after_the_first_byte_is_an_event() -> None:

@@ -1,0 +1,286 @@
+"""Every edge of the served protocols (issue 11), on real servers: bad values are 4xx on every
+route, limits hold, unary requests stop when their client leaves, repository control is off,
+health tells the truth, and several prompts are one unit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
+from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
+
+from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
+from tests.server.test_grpc_stream import running_requests, stream_request, wait_idle
+from tests.server.test_v2_grpc import infer_request
+from tests.support import ServerProcess
+
+MiB = 1024 * 1024
+
+
+def engine_tokens(server: ServerProcess) -> float:
+    """Tokens the engine generated so far: the sum of predictor_batch_size (rows per step)."""
+    for line in httpx.get(f"{server.base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("predictor_batch_size_sum{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def infer_body(*prompts: str, max_tokens: int = 4) -> dict:
+    tensor = {"name": "text_input", "shape": [len(prompts)], "datatype": "BYTES"}
+    return {"inputs": [{**tensor, "data": list(prompts)}], "parameters": {"max_tokens": max_tokens}}
+
+
+# -- point 5: every bad value is a 4xx ----------------------------------------------------------
+
+BAD_BODIES = {
+    "NaN": '{"text_input": "hi", "parameters": {"max_tokens": NaN}}',
+    "Infinity": '{"text_input": "hi", "parameters": {"temperature": Infinity}}',
+    "1e999": '{"text_input": "hi", "parameters": {"top_p": 1e999}}',
+    "surrogate": '{"text_input": "\\ud800", "parameters": {"max_tokens": 2}}',
+    "surrogate key": '{"text_input": "hi", "parameters": {"\\udfff": 1}}',
+    "deep": '{"text_input": "hi", "parameters": {"x": ' + "[" * 100 + "]" * 100 + "}}",
+    "very deep": "[" * 100_000 + "]" * 100_000,
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BODIES))
+def test_bad_json_values_are_400_on_every_route(server: ServerProcess, name: str) -> None:
+    body = BAD_BODIES[name]
+    v2 = body.replace('"text_input": "hi"', '"inputs": []').replace(
+        '"text_input": "\\ud800"', '"inputs": [{"name": "\\ud800"}]'
+    )
+    openai = body.replace('"text_input"', '"model": "tiny", "prompt"')
+    routes = {
+        "/v2/models/tiny/generate": body,
+        "/v2/models/tiny/generate_stream": body,
+        "/v2/models/tiny/infer": v2,
+        "/v2/models/tiny/infer_stream": v2,
+        "/v1/completions": openai,
+        "/openai/v1/chat/completions": openai,
+    }
+    for path, text in routes.items():
+        r = httpx.post(f"{server.base_url}{path}", content=text, timeout=30)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        error = r.json()["error"]
+        assert error and "Traceback" not in r.text, (path, r.text)
+
+
+def test_long_id_is_400(server: ServerProcess) -> None:
+    long_id = "i" * 257
+    r = httpx.post(
+        f"{server.base_url}/v2/models/tiny/generate",
+        json={"id": long_id, "text_input": "hi", "parameters": {"max_tokens": 2}},
+        timeout=30,
+    )
+    assert r.status_code == 400 and "'id'" in r.json()["error"]
+    r = httpx.post(
+        f"{server.base_url}/v2/models/tiny/infer", json={**infer_body("hi"), "id": long_id}
+    )
+    assert r.status_code == 400 and "'id'" in r.json()["error"]
+
+
+def grpc_stream(server: ServerProcess, messages: list) -> list[ModelStreamInferResponse]:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        rpc = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda m: m if isinstance(m, bytes) else m.SerializeToString(),
+            response_deserializer=ModelStreamInferResponse.FromString,
+        )
+        return list(rpc(iter(messages), timeout=60))
+
+
+def test_bad_stream_requests_each_get_an_answer(server: ServerProcess) -> None:
+    unknown = pb.ModelInferRequest(model_name="tiny", id="datatype")
+    unknown.inputs.add(name="text_input", datatype="WEIRD", shape=[1])
+    unknown.raw_input_contents.append(b"abc")
+    mismatched = pb.ModelInferRequest(model_name="tiny", id="raw")
+    mismatched.inputs.add(name="text_input", datatype="BYTES", shape=[2])
+    mismatched.raw_input_contents.append(b"\x01\x00\x00\x00a")
+    nan = stream_request("nan", b"hi", 2, False)
+    nan.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+    nan.inputs[-1].contents.bytes_contents.append(b'{"temperature": NaN}')
+    surrogate = stream_request("sur", b"hi", 2, False)
+    surrogate.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+    surrogate.inputs[-1].contents.bytes_contents.append(b'{"stop": "\\ud800"}')
+    ok = stream_request("ok", b"hi", 2, True)
+    responses = grpc_stream(server, [unknown, mismatched, nan, surrogate, b"\xff\xff\xff", ok])
+    errors = {r.infer_response.id: r.error_message for r in responses if r.error_message}
+    assert set(errors) == {"datatype", "raw", "nan", "sur", ""}, errors
+    assert "cannot be decoded" in errors[""] and "non-finite" in errors["nan"]
+    assert "surrogate" in errors["sur"] and "internal" not in " ".join(errors.values())
+    assert responses[-1].infer_response.id == "ok"
+
+
+def test_undecodable_unary_grpc_is_invalid_argument(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        raw = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=lambda b: b,
+            response_deserializer=lambda b: b,
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            raw(b"\xff\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# -- point 4: limits ----------------------------------------------------------------------------
+
+
+def test_body_past_the_limit_is_413_and_grpc_resource_exhausted(server: ServerProcess) -> None:
+    big = json.dumps({"text_input": "a" * (9 * MiB)})  # the default limit is 8 MiB
+    r = httpx.post(f"{server.base_url}/v2/models/tiny/generate", content=big, timeout=60)
+    assert r.status_code == 413 and "limit" in r.json()["error"]
+    with grpc.insecure_channel(server.grpc_target) as channel, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            infer_request("tiny", [b"a" * (9 * MiB)]), timeout=60
+        )
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def stream_gaps(server: ServerProcess, tokens: int, out: list[list[float]], i: int) -> None:
+    body = {"text_input": f"Story {i}", "parameters": {"max_tokens": tokens}}
+    gaps: list[float] = []
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{server.base_url}/v2/models/tiny/generate_stream", json=body) as r,
+    ):
+        last = None
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+    out[i] = gaps
+
+
+def test_a_4mib_prompt_does_not_stall_other_streams(server: ServerProcess) -> None:
+    wait_idle(server)
+    gaps: list[list[float]] = [[], []]
+    streams = [threading.Thread(target=stream_gaps, args=(server, 300, gaps, i)) for i in range(2)]
+    for t in streams:
+        t.start()
+    time.sleep(1.5)  # the streams are under way
+    huge = "The quick brown fox jumps over the lazy dog. " * (4 * MiB // 45)
+    big = {"text_input": huge, "parameters": {"max_tokens": 2, "chat": True}}
+    r = httpx.post(f"{server.base_url}/v2/models/tiny/generate", json=big, timeout=120)
+    assert r.status_code == 400 and "limit" in r.json()["error"]  # far past the prompt limit
+    for t in streams:
+        t.join(180)
+    for g in gaps:
+        assert len(g) > 100
+        median = statistics.median(g)
+        assert max(g) < max(2 * median, median + 0.25), (max(g), median)
+
+
+# -- point 1: N prompts are one unit (over HTTP) -------------------------------------------------
+
+
+def test_n_prompts_with_one_too_long_run_none(server: ServerProcess) -> None:
+    wait_idle(server)
+    before = engine_tokens(server)
+    body = infer_body("one", "two", "word " * 2000, max_tokens=400)
+    r = httpx.post(f"{server.base_url}/v2/models/tiny/infer", json=body, timeout=30)
+    assert r.status_code == 400 and "limit" in r.json()["error"]
+    time.sleep(0.5)
+    assert running_requests(server) == 0 and engine_tokens(server) == before
+    r = httpx.post(f"{server.base_url}/v2/models/tiny/infer", json=infer_body(*["x"] * 17))
+    assert r.status_code == 400 and "limit is 16" in r.json()["error"]
+
+
+# -- point 6 and 9: unary requests stop when the client leaves ------------------------------------
+
+
+@pytest.mark.parametrize("route", ["generate", "infer", "openai"])
+def test_unary_request_is_cancelled_when_the_client_disconnects(
+    server: ServerProcess, route: str
+) -> None:
+    wait_idle(server)
+    before = engine_tokens(server)
+    path, body = {
+        "generate": ("/v2/models/tiny/generate", {"text_input": "Go", "max_tokens": 500}),
+        "infer": ("/v2/models/tiny/infer", infer_body("Go", max_tokens=500)),
+        "openai": ("/v1/completions", {"model": "tiny", "prompt": "Go", "max_tokens": 500}),
+    }[route]
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=120) as client:
+            task = asyncio.create_task(client.post(f"{server.base_url}{path}", json=body))
+            deadline = time.monotonic() + 30
+            while engine_tokens(server) - before < 3:  # generating for us
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            task.cancel()  # closes the connection
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(leave_early())
+    wait_idle(server)
+    generated = engine_tokens(server) - before
+    assert generated < 100, f"{generated} tokens generated for a client that left"
+
+
+def test_streaming_disconnect_stops_generation(server: ServerProcess) -> None:
+    wait_idle(server)
+    before = engine_tokens(server)
+    body = {"text_input": "Go", "parameters": {"max_tokens": 500}}
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{server.base_url}/v2/models/tiny/generate_stream", json=body) as r,
+    ):
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    wait_idle(server)
+    assert engine_tokens(server) - before < 100
+
+
+# -- point 2 and 3: repository control, health ----------------------------------------------------
+
+
+def test_repository_control_is_off_by_default(server: ServerProcess) -> None:
+    for action in ("load", "unload"):
+        r = httpx.post(f"{server.base_url}/v2/repository/models/tiny/{action}", timeout=10)
+        assert r.status_code == 403 and "--model-control" in r.json()["error"]
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RepositoryModelUnload(pb.RepositoryModelUnloadRequest(model_name="tiny"))
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert httpx.get(f"{server.base_url}/v2/models/tiny/ready", timeout=10).status_code == 200
+    assert httpx.get(f"{server.base_url}/v2/health/live", timeout=10).json() == {"live": True}
+
+
+@pytest.fixture(scope="module")
+def controlled(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
+    extra = ["--model-control", "true", "--max-stream-requests", "2", "--max-tokens-limit", "512"]
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
+        yield srv
+
+
+def test_rows_per_stream_are_bounded(controlled: ServerProcess) -> None:
+    requests = [stream_request(f"s{i}", b"Go", 60, True) for i in range(4)]
+    responses = grpc_stream(controlled, requests)
+    errors = {r.infer_response.id: r.error_message for r in responses if r.error_message}
+    assert set(errors) == {"s2", "s3"} and all("RESOURCE_EXHAUSTED" in e for e in errors.values())
+    finals = [r.infer_response.id for r in responses if not r.error_message and
+              r.infer_response.parameters["triton_final_response"].bool_param]  # fmt: skip
+    assert sorted(finals) == ["s0", "s1"]
+
+
+def test_unload_when_enabled_turns_readiness_false(controlled: ServerProcess) -> None:
+    base = controlled.base_url
+    assert httpx.get(f"{base}/v2/health/ready", timeout=10).status_code == 200
+    r = httpx.post(f"{base}/v2/repository/models/tiny/unload", timeout=30)
+    assert r.status_code == 200, r.text
+    assert httpx.get(f"{base}/v2/health/ready", timeout=10).status_code == 503
+    assert httpx.get(f"{base}/v2/models/tiny/ready", timeout=10).status_code in (404, 503)
+    assert httpx.get(f"{base}/v2/health/live", timeout=10).status_code == 200

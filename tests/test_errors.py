@@ -1,0 +1,45 @@
+"""One table maps every error to its HTTP status and gRPC code; server faults never leak text."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from grpc_interceptor.exceptions import GrpcException
+
+from predictor import errors
+from predictor.kserve_model import to_kserve_error
+from predictor.server.openai import error_parts
+from predictor.server.rest import error_response
+
+CASES = [
+    (errors.InvalidRequest("bad"), 400, grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.BodyTooLarge("big"), 413, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.Forbidden("off"), 403, grpc.StatusCode.PERMISSION_DENIED),
+    (errors.ModelMissing("who"), 404, grpc.StatusCode.NOT_FOUND),
+    (errors.Overloaded("busy"), 429, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (errors.EngineUnavailable("draining"), 503, grpc.StatusCode.UNAVAILABLE),
+    (errors.GenerationFailed("forward pass failed"), 500, grpc.StatusCode.INTERNAL),
+    (RuntimeError("secret detail"), 500, grpc.StatusCode.INTERNAL),
+    (KeyError("secret detail"), 500, grpc.StatusCode.INTERNAL),
+]
+
+
+@pytest.mark.parametrize(("exc", "http", "code"), CASES)
+def test_every_adapter_uses_the_table(exc: Exception, http: int, code: grpc.StatusCode) -> None:
+    rest = error_response(exc)
+    assert rest.status_code == http
+    assert error_parts(exc)[0] == http
+    grpc_error = to_kserve_error(exc, from_grpc=True)
+    assert isinstance(grpc_error, GrpcException) and grpc_error.status_code == code
+    if not isinstance(exc, errors.PredictorError):  # a server fault: a short message only
+        assert json.loads(bytes(rest.body))["error"] == errors.SERVER_FAULT
+        assert "secret" not in grpc_error.details
+        assert "secret" not in json.dumps(error_parts(exc)[1])
+    else:
+        assert json.loads(bytes(rest.body))["error"] == str(exc)
+
+
+def test_overloaded_says_when_to_retry() -> None:
+    assert error_response(errors.Overloaded("busy")).headers["retry-after"] == "1"
