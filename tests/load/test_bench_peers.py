@@ -45,14 +45,18 @@ def test_table_marks_a_server_that_did_not_run() -> None:
 def test_section_states_date_threads_and_memory() -> None:
     args = argparse.Namespace(
         threads=1, max_seqs=32, max_tokens=64, cpus=2, concurrency=[16], memory_at=16,
-        fp_dir=Path("fp"), gptq_dir=Path("gptq"), vllm_kv_cache_gib=1,
+        fp_dir=Path("fp"), gptq_dir=Path("gptq"), vllm_kv_cache_gib=1, rounds=2,
+        min_requests=8, load_average=(1.0, 2.0, 3.0),
     )  # fmt: skip
     ours = Measured("ours", {16: _row(150.0)}, Memory(800.0, 700.0, 1))
     section = format_section(None, ours, args, datetime.date(2026, 11, 29))
     assert section.startswith(SECTION + "\n")
     assert "2026-11-29" in section and "**1 compute thread**" in section
     assert "VLLM_CPU_OMP_THREADS_BIND=" in section and "--threads 1" in section
-    assert "ours 800 MiB RSS (700 MiB PSS, 1 processes)" in section
+    assert "load average 1.0/2.0/3.0" in section
+    assert "ours 800 MiB RSS (700 MiB PSS, 1 processes)" in " ".join(section.split())
+    prose = [line for line in section.splitlines() if not line.startswith("|")]
+    assert max(len(line) for line in prose) <= 100
 
 
 def test_replace_section_appends_then_replaces_in_place() -> None:
@@ -100,5 +104,5 @@ def test_bench_peers_measures_our_server(tiny_gptq_dir: Path, tmp_path: Path) ->
     assert [row[1].strip() for row in rows] == ["1", "2"]
     assert all(row[2].strip() == "-" and float(row[3]) > 0 for row in rows)  # no vLLM; ours
     assert "expected" not in text  # every request gave exactly --max-tokens tokens
-    memory = text.split("\nvLLM-CPU -; ours ")[1]
+    memory = " ".join(text.split()).split("vLLM-CPU -; ours ")[1]
     assert float(memory.split(" MiB RSS")[0]) > 50
