@@ -56,6 +56,7 @@ class Measured:
     rows: dict[int, dict] = field(default_factory=dict)  # C -> bench_serving.level() row
     memory: Memory = field(default_factory=Memory)
     note: str = ""
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average when measuring began, ended
 
 
 # -- process tree and memory -----------------------------------------------------------------
@@ -237,6 +238,7 @@ async def measure(
     api = Api("openai", model, "/v1", ignore_eos=True)
     url = api.url(base_url)
     result = Measured(server)
+    began = os.getloadavg()[0]
     limits = httpx.Limits(max_connections=max(64, 2 * max(args.concurrency)))
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         for _ in range(2):  # warm up: first-request compilation and allocation happen here
@@ -254,6 +256,7 @@ async def measure(
             if row["tokens"] != expected:
                 result.note += f" C={c}: {row['tokens']} tokens, expected {expected}."
             print(f"[bench-peers] {server} C={c}: {row['tok_s']:.1f} tok/s", flush=True)
+    result.load = (began, os.getloadavg()[0])
     return result
 
 
@@ -395,6 +398,11 @@ def format_section(
             f"{_memory(vllm)}; ours {_memory(ours)}."
         ),
     ]
+    loads = [
+        f"{m.server} {m.load[0]:.1f} to {m.load[1]:.1f}" for m in (vllm, ours) if m and any(m.load)
+    ]
+    if loads:
+        lines += _wrap(f"1-minute load average while measuring: {', '.join(loads)}.")
     for measured in (vllm, ours):
         if measured and measured.note:
             lines += ["", *_wrap(f"{measured.server}:{measured.note}")]

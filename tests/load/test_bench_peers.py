@@ -48,12 +48,13 @@ def test_section_states_date_threads_and_memory() -> None:
         fp_dir=Path("fp"), gptq_dir=Path("gptq"), vllm_kv_cache_gib=1, rounds=2,
         min_requests=8, load_average=(1.0, 2.0, 3.0),
     )  # fmt: skip
-    ours = Measured("ours", {16: _row(150.0)}, Memory(800.0, 700.0, 1))
+    ours = Measured("ours", {16: _row(150.0)}, Memory(800.0, 700.0, 1), load=(1.5, 2.25))
     section = format_section(None, ours, args, datetime.date(2026, 11, 29))
     assert section.startswith(SECTION + "\n")
     assert "2026-11-29" in section and "**1 compute thread**" in section
     assert "VLLM_CPU_OMP_THREADS_BIND=" in section and "--threads 1" in section
     assert "load average 1.0/2.0/3.0" in section
+    assert "while measuring: ours 1.5 to 2.2." in section
     assert "ours 800 MiB RSS (700 MiB PSS, 1 processes)" in " ".join(section.split())
     prose = [line for line in section.splitlines() if not line.startswith("|")]
     assert max(len(line) for line in prose) <= 100
