@@ -402,7 +402,7 @@ def format_section(
         f"{m.server} {m.load[0]:.1f} to {m.load[1]:.1f}" for m in (vllm, ours) if m and any(m.load)
     ]
     if loads:
-        lines += _wrap(f"1-minute load average while measuring: {', '.join(loads)}.")
+        lines += ["", *_wrap(f"1-minute load average while measuring: {', '.join(loads)}.")]
     for measured in (vllm, ours):
         if measured and measured.note:
             lines += ["", *_wrap(f"{measured.server}:{measured.note}")]
