@@ -3,6 +3,7 @@ concurrency levels against any OIP `generate_stream` endpoint (--api oip) or any
 streaming chat completions endpoint (--api openai: `{url}{--openai-prefix}/chat/completions`),
 and the C=16 / C=1 ratio. Both send each prompt as one user message through the chat template;
 --ignore-eos asks for exactly --max-tokens tokens per request (both protocols take `ignore_eos`).
+--null starts the server with the null runner (no model): what REST, SSE and the engine cost.
 
 With --url it measures that server; without, it starts `python -m predictor` on the default
 model. --infer-check also times 16 concurrent V2 infer requests against one.
@@ -26,6 +27,13 @@ import httpx
 from load.local_server import REPO, local_server
 
 PROMPTS = [p for p in (REPO / "load" / "prompts.txt").read_text().splitlines() if p.strip()]
+
+
+# a null-runner server sized for 256 streams of up to 512 tokens
+NULL_SERVER_ARGS = (
+    "--runner", "null", "--max-batch-size", "256", "--max-waiting", "512",
+    "--max-step-tokens", "8192", "--max-cache-tokens", "262144",
+)  # fmt: skip
 
 
 @dataclass
@@ -180,12 +188,19 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always --max-tokens tokens")
     parser.add_argument("--api", choices=["oip", "openai"], default="oip")
     parser.add_argument("--openai-prefix", default="/v1", help="/v1 (vLLM) or /openai/v1 (KServe)")
+    parser.add_argument(
+        "--null",
+        action="store_true",
+        help="start the server with --runner null (no model: the serving stack's own cost) and "
+        "room for 256 streams",
+    )
     args = parser.parse_args()
     log_file = Path("/tmp/bench-serving-server.log")
     if args.url:
         context = nullcontext(args.url)
     else:
-        context = local_server(args.model_dir, args.model, log_file)
+        extra = NULL_SERVER_ARGS if args.null else ()
+        context = local_server(args.model_dir, args.model, log_file, extra=extra)
     with context as server:
         base = server if isinstance(server, str) else server.base_url
         asyncio.run(run(args, base))
