@@ -50,13 +50,14 @@ class Recipe:
     act_group_aware: bool = True
     static_groups: bool = False
     damp_percent: float = 0.05
-    mse: float = 0.0
+    mse: float = 2.0  # search each group's scale and zero point for the least squared error
 
     def describe(self) -> str:
         kind = "symmetric" if self.sym else "asymmetric"
         flags = ("desc_act", "static_groups", "act_group_aware")
         extras = "".join(f", {name}" for name in flags if getattr(self, name))
-        return f"group size {self.group_size}, {kind}{extras}"
+        search = f", mse {self.mse:g}" if self.mse else ""
+        return f"group size {self.group_size}, {kind}{extras}{search}"
 
 
 # Chosen by measurement: load/RESULTS.md, "Quantization recipe".
