@@ -218,7 +218,7 @@ def build_default_model(
         texts = calibration_texts()
         print(
             f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts "
-            f"(about 3 minutes on 2 cores)",
+            f"(about 4 minutes on 2 cores)",
             flush=True,
         )
         with _quiet(out.parent / "quantize.log", started):
