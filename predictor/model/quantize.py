@@ -44,6 +44,7 @@ class Recipe:
     """The GPTQ settings (gptqmodel QuantizeConfig fields) of a build."""
 
     # The group size must divide every layer's input width (SmolLM2-135M: hidden 576, MLP 1536).
+    # 32 and asymmetric: the source's own grid (Q4_1 blocks of 32, each with a scale and minimum).
     group_size: int = 32
     sym: bool = False
     desc_act: bool = False
