@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = resolve_checkpoint_dir(settings.model_dir)
         # One thread here: only the step loop's thread runs torch in parallel (see
         # ModelRunner.bind_thread).
-        loaded = load_checkpoint(model_dir, settings.device, threads=1)
+        loaded = load_checkpoint(model_dir, settings.device, threads=1, kernel=settings.kernel)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2

@@ -13,6 +13,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
+# GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
+# its backend names) and the weights dequantized at load into plain Linear layers
+KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_fused", "gptq_torch_int8",
+           "dequantized")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,7 @@ class Settings:
     enable_grpc: bool = True
     threads: int = 0  # 0: every core this process may use
     device: str = "auto"  # auto | cpu | cuda
+    kernel: str = "auto"  # one of KERNELS (load/RESULTS.md, "CPU GPTQ kernels")
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
@@ -73,6 +78,8 @@ class Settings:
             )
         if self.max_step_tokens <= self.max_batch_size:
             raise ValueError("--max-step-tokens must exceed --max-batch-size (room for prefill)")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
@@ -94,6 +101,9 @@ _HELP = {
     "enable_grpc": "serve gRPC",
     "threads": "torch CPU threads (0: all cores available to the process)",
     "device": "auto, cpu or cuda",
+    "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice), a gptqmodel backend "
+    f"({', '.join(KERNELS[1:-1])}) or dequantized (expanded once at load into plain Linear "
+    "layers of the model's dtype: the same numbers, 4x the weight memory)",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",
@@ -133,6 +143,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             dest=f.name,
             type=convert,
             default=default,
+            choices=KERNELS if f.name == "kernel" else None,
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
     return parser
