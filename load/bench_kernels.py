@@ -23,6 +23,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# gptq_torch's torch.compile is measured as it ships (":eager" undoes it per module): dynamo
+# must be on before torch is imported
+os.environ.pop("TORCHDYNAMO_DISABLE", None)
+import torch  # noqa: E402
+
 VARIANTS = [
     "gptq_torch_aten",
     "gptq_torch",
@@ -53,20 +58,17 @@ def setup_env() -> None:
     os.environ.setdefault("HF_HOME", "/tmp/gptq-predictor-hf")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # gptq_torch's torch.compile is measured as it ships; ":eager" undoes it per module
-    os.environ.pop("TORCHDYNAMO_DISABLE", None)
 
 
-class Fp32Head:
+class Fp32Head(torch.nn.Module):
     """lm_head as an fp32 copy of the tied embedding: [R, hidden] -> [R, V] float32."""
 
-    def __init__(self, weight: Any) -> None:
-        self.weight = weight.detach().float().contiguous()
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().float().contiguous(), requires_grad=False)
 
-    def __call__(self, x: Any) -> Any:
-        import torch.nn.functional as F
-
-        return F.linear(x.float(), self.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight)
 
 
 def load_variant(model_dir: Path, variant: str) -> tuple[Any, str]:
@@ -117,12 +119,13 @@ class Rows:
         for table, prompt in zip(self.tables, prompts, strict=True):  # one row at a time
             self.runner.forward([StepRow(table, 0, prompt, True)])
 
-    def step(self) -> Any:
+    def step(self, batch: int = 0) -> Any:
+        """A decode step of the first `batch` rows (0: all); the cache is left as it was."""
         rows = [
             self.StepRow(t, self.context, [tok], True)
             for t, tok in zip(self.tables, self.next_ids, strict=True)
         ]
-        return self.runner.forward(rows)  # [B, V] float32
+        return self.runner.forward(rows[: batch or None])  # [B, V] float32
 
 
 def rss_mib() -> tuple[float, float]:
@@ -146,7 +149,8 @@ def rss_child(args: argparse.Namespace) -> None:
     for _ in range(3):
         rows.step()
     now, peak = rss_mib()
-    print(f"RSS {args.rss_child} {kernel} {base:.0f} {loaded:.0f} {now:.0f} {peak:.0f}")
+    name = kernel.replace(" ", "_")
+    print(f"RSS {args.rss_child} {name} {base:.0f} {loaded:.0f} {now:.0f} {peak:.0f}")
 
 
 def measure_rss(args: argparse.Namespace) -> None:
@@ -215,33 +219,34 @@ def main() -> None:
     for p in reference.parameters():
         p.data = p.data.float()
     ref = Rows(reference, 16, args.context).step()
+    del reference
     accuracy: dict[str, str] = {}
-    for variant, model in models.items():
-        out = Rows(model, 16, args.context).step()
+    rows_of = {v: Rows(m, max(args.batches), args.context) for v, m in models.items()}
+    for variant, rows in rows_of.items():
+        out = rows.step()
         agree = (out.argmax(-1) == ref.argmax(-1)).float().mean().item()
         accuracy[variant] = f"{(out - ref).abs().max().item():.2f} / {agree:.0%}"
-    del reference, ref
+    del ref
 
-    batches = {(v, b): Rows(m, b, args.context) for v, m in models.items() for b in args.batches}
     times: dict[tuple[str, int, int], list[float]] = {k: [] for k in
         ((v, b, t) for v in models for b in args.batches for t in args.threads)}  # fmt: skip
-    for (variant, batch), rows in batches.items():  # warm-up: transforms, compiles, caches
+    for variant, batch in ((v, b) for v in models for b in args.batches):  # warm-up
         started = time.perf_counter()
         for t in args.threads:
             torch.set_num_threads(t)
             for _ in range(3):
-                rows.step()
+                rows_of[variant].step(batch)
         print(f"warm {variant} batch {batch}: {time.perf_counter() - started:.1f} s", flush=True)
     order = list(times)
     for r in range(args.rounds):
         random.Random(r).shuffle(order)
         for variant, batch, t in order:
             torch.set_num_threads(t)
-            rows = batches[(variant, batch)]
-            rows.step()  # re-warm after the thread switch
+            rows = rows_of[variant]
+            rows.step(batch)  # re-warm after the thread switch
             for _ in range(args.steps):
                 started = time.perf_counter()
-                rows.step()
+                rows.step(batch)
                 times[(variant, batch, t)].append(time.perf_counter() - started)
         print(f"round {r + 1}/{args.rounds} done", flush=True)
 

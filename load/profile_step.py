@@ -82,7 +82,7 @@ class PaddedRows:
 
         from predictor.engine.runner import ModelRunner
 
-        self.runner = ModelRunner(model, torch.device("cpu"), pad_token_id)
+        self.runner: Any = ModelRunner(model, torch.device("cpu"), pad_token_id)
         self.last = self.runner.prefill(rows).argmax(-1).tolist()
 
     def step(self) -> None:

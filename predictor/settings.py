@@ -29,7 +29,9 @@ class Settings:
     enable_grpc: bool = True
     threads: int = 0  # 0: every core this process may use
     device: str = "auto"  # auto | cpu | cuda
-    kernel: str = "auto"  # one of KERNELS (load/RESULTS.md, "CPU GPTQ kernels")
+    # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
+    # there at batch 16 (load/RESULTS.md, "CPU GPTQ kernels"), the GPU kernels on a GPU
+    kernel: str = "auto"
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
