@@ -11,6 +11,7 @@ the step's wall time measured without the profiler. Works on either engine:
     git worktree add /tmp/before 30b2f7a
     .venv/bin/python load/profile_step.py --tree /tmp/before
     .venv/bin/python load/profile_step.py [--kernel dequantized]
+    .venv/bin/python load/profile_step.py --attention   # one layer's decode attention, 4 ways
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10, help="profiled steps")
     parser.add_argument("--timed", type=int, default=20, help="steps timed without profiler")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument(
+        "--attention",
+        action="store_true",
+        help="only: time one layer's decode attention, 4 ways",
+    )
     return parser.parse_args()
 
 
@@ -89,8 +95,54 @@ class PaddedRows:
         self.last = self.runner.decode(self.last).argmax(-1).tolist()
 
 
+def attention_variants(rows: int, threads: int, length: int = 150) -> None:
+    """One layer's decode attention for `rows` rows, SmolLM2's shapes (9 heads, 3 KV heads)."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    heads, kv_heads, dim = 9, 3, 64
+    group = heads // kv_heads
+    pool = torch.randn(4096, kv_heads, dim, dtype=torch.bfloat16)  # a layer's key slots
+    slots = torch.randint(0, 4096, (rows, length))  # [d, L]
+    query = torch.randn(rows, heads, 1, dim, dtype=torch.bfloat16)
+    lengths = torch.arange(rows) + length - rows
+    mask = (torch.arange(length) < lengths.unsqueeze(1)).view(rows, 1, 1, length)
+    keys = pool[slots].transpose(1, 2)  # [d, kv_heads, L, dim], as the runner gathers them
+    values = pool[slots].transpose(1, 2)
+    bias = torch.zeros(rows, 1, 1, length, dtype=torch.bfloat16).masked_fill(~mask, -torch.inf)
+    packed = query.view(rows, kv_heads, group, dim)  # a group's query heads as query rows
+
+    def grouped_matmul() -> torch.Tensor:
+        scores = torch.matmul(packed, keys.transpose(-1, -2)) * dim**-0.5 + bias
+        return torch.matmul(scores.softmax(-1), values)  # [d, kv_heads, group, dim]
+
+    variants = {
+        "gather the keys (keys[slots], one of 2 per layer)": lambda: pool[slots],
+        "SDPA enable_gqa, bool mask (the runner today)": lambda: F.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, enable_gqa=True
+        ),
+        "SDPA, query heads packed per KV head (transformers' pack_gqa)": lambda: (
+            F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask)
+        ),
+        "matmul-softmax-matmul, query heads packed per KV head": grouped_matmul,
+    }
+    print(f"decode attention of one layer, {rows} rows of <= {length} keys, {threads} thread(s):")
+    for name, run in variants.items():
+        run()
+        times = []
+        for _ in range(50):
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        print(f"  {name:64} {statistics.median(times) * 1000:6.2f} ms")
+
+
 def main() -> None:
     args = parse_args()
+    if args.attention:
+        attention_variants(args.rows, args.threads)
+        return
     os.environ.setdefault("HF_HOME", "/tmp/gptq-predictor-hf")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
