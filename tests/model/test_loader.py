@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ from predictor.engine.runner import ModelRunner, StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
 from predictor.settings import KERNELS, Settings
-from tests.support import REPO
+from tests.support import REPO, ServerProcess
 
 
 def test_dense_checkpoint_is_not_gptq(tiny_dense_dir: Path) -> None:
@@ -109,3 +110,13 @@ def test_server_names_a_bad_kernel_and_exits(tiny_gptq_dir: Path) -> None:
     assert "argument --kernel: invalid choice: 'fast' (choose from 'auto', 'gptq_torch_aten'" in (
         done.stderr
     )
+
+
+def test_server_serves_with_the_kernel_it_was_given(tiny_gptq_dir: Path) -> None:
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--kernel", "dequantized"]) as srv:
+        body = {"text_input": "The capital of France is", "parameters": {"max_tokens": 4}}
+        r = httpx.post(f"{srv.base_url}/v2/models/tiny/generate", json=body, timeout=60)
+        log = srv.log()
+    assert r.status_code == 200, r.text
+    assert r.json()["details"]["generated_tokens"] >= 1
+    assert "(kernel Linear (dequantized)," in log
