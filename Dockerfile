@@ -95,7 +95,9 @@ CMD ["python", "-m", "predictor", "--model-dir", "/mnt/models", "--host", "0.0.0
 
 # ---- dev: the default model built into the image (python -m predictor.model.quantize) --------
 FROM runtime AS dev
-RUN python -m predictor.model.quantize --out /opt/models/smollm2-135m-instruct-gptq
+# the fp source (kept by make model for evaluation and peers) stays out of the image
+RUN python -m predictor.model.quantize --out /opt/models/smollm2-135m-instruct-gptq \
+        --fp-out /tmp/smollm2-fp && rm -rf /tmp/smollm2-fp
 CMD ["python", "-m", "predictor", "--model-dir", "/opt/models/smollm2-135m-instruct-gptq", "--host", "0.0.0.0"]
 
 # ---- the last stage is what a plain `docker build` produces: the runtime image ----------------

@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.runner == "null":
             loaded = load_tokenizer_only(model_dir)
         else:
-            loaded = load_checkpoint(model_dir, settings.device, threads=1)
+            loaded = load_checkpoint(model_dir, settings.device, threads=1, kernel=settings.kernel)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2

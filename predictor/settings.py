@@ -13,6 +13,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
+# GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
+# its backend names) and the weights dequantized at load into plain Linear layers
+KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_fused", "gptq_torch_int8",
+           "dequantized")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,9 @@ class Settings:
     threads: int = 0  # 0: every core this process may use
     device: str = "auto"  # auto | cpu | cuda
     runner: str = "model"  # model | null (no forward pass: benchmarks the serving stack)
+    # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
+    # there at batch 16 (load/RESULTS.md, "CPU GPTQ kernels"), the GPU kernels on a GPU
+    kernel: str = "auto"
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
@@ -89,6 +96,8 @@ class Settings:
             raise ValueError(
                 "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds > 0"
             )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
@@ -112,6 +121,9 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
     "(measures everything around the model; benchmarks only)",
+    "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice), a gptqmodel backend "
+    f"({', '.join(KERNELS[1:-1])}) or dequantized (expanded once at load into plain Linear "
+    "layers of the model's dtype: the same numbers, 4x the weight memory)",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",
@@ -162,6 +174,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             dest=f.name,
             type=convert,
             default=default,
+            choices=KERNELS if f.name == "kernel" else None,
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
     return parser

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from predictor.errors import CheckpointError
+from predictor.settings import KERNELS
 
 log = logging.getLogger(__name__)
 
@@ -57,21 +58,41 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_checkpoint(path: Path, device: str = "auto", threads: int = 1) -> LoadedModel:
-    """Load a GPTQ checkpoint through transformers + optimum + gptqmodel."""
-    check_checkpoint(path)
+def load_checkpoint(
+    path: Path, device: str = "auto", threads: int = 1, kernel: str = "auto"
+) -> LoadedModel:
+    """Load a GPTQ checkpoint through transformers + optimum + gptqmodel.
+
+    `kernel`: "auto" (gptqmodel's choice), a gptqmodel backend name (its Linear kernel), or
+    "dequantized": the 4-bit weights expanded once, here, into plain nn.Linear modules of the
+    model's dtype (the same numbers, 4x the weight memory, the dense matmul of the platform).
+    """
+    if kernel not in KERNELS:
+        raise CheckpointError(f"unknown kernel {kernel!r} (choose one of {', '.join(KERNELS)})")
+    quant = check_checkpoint(path)
     torch.set_num_threads(threads)
     target = pick_device(device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
 
+    # "dequantized" reads the packed weights through gptqmodel's portable torch kernel
+    backend = {"auto": None, "dequantized": "gptq_torch"}.get(kernel, kernel)
+    options: dict[str, Any] = {}
+    if backend is not None:  # only the backend is taken from here; the rest from config.json
+        options["quantization_config"] = GPTQConfig(bits=int(quant["bits"]), backend=backend)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(
-            path, device_map=str(target) if target.type == "cpu" else {"": target.index or 0}
+            path,
+            device_map=str(target) if target.type == "cpu" else {"": target.index or 0},
+            **options,
         )
     except Exception as exc:
-        raise CheckpointError(f"{path} could not be loaded as a GPTQ model: {exc}") from exc
+        raise CheckpointError(
+            f"{path} could not be loaded as a GPTQ model with kernel {kernel}: {exc}"
+        ) from exc
     model.eval()
+    if kernel == "dequantized":
+        dequantize_linears(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -79,8 +100,48 @@ def load_checkpoint(path: Path, device: str = "auto", threads: int = 1) -> Loade
         eos_ids=_eos_ids(model, tokenizer),
         pad_token_id=_pad_id(tokenizer),
         context_length=int(getattr(model.config, "max_position_embeddings", 2048)),
-        kernel=_kernel_name(model),
+        kernel=_kernel_name(model) if kernel != "dequantized" else "Linear (dequantized)",
     )
+
+
+@torch.no_grad()
+def dequantize_linears(model: Any) -> None:
+    """Replace every GPTQ Linear by an nn.Linear holding its dequantized weight, in place."""
+    dtype = model.get_input_embeddings().weight.dtype
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not type(child).__module__.startswith("gptqmodel"):
+                continue
+            weight = _dequantized_weight(child)  # [out, in], float32
+            linear = torch.nn.Linear(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                device=weight.device, dtype=dtype,
+            )  # fmt: skip
+            linear.weight.copy_(weight)
+            if child.bias is not None:
+                linear.bias.copy_(child.bias)
+            setattr(parent, name, linear.eval().requires_grad_(False))
+
+
+def _dequantized_weight(module: Any) -> torch.Tensor:
+    """scale[group] * (code - zero[group]) of a packed GPTQ module: [out_features, in_features].
+
+    Packed layout (gptqmodel's GPTQ formats): qweight [in * bits / 32, out] int32, qzeros
+    [groups, out * bits / 32] int32, scales [groups, out], g_idx [in] (the group of each input);
+    qzero_format 1 (the v1 checkpoint format) stores each zero minus one.
+    """
+    bits = int(module.bits)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=module.qweight.device)
+    mask = (1 << bits) - 1
+    codes = (module.qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & mask  # [in/pf, pf, out]
+    codes = codes.reshape(-1, module.qweight.shape[1])[: module.in_features]  # [in, out]
+    zeros = (module.qzeros.unsqueeze(2) >> shifts.view(1, 1, -1)) & mask  # [groups, out/pf, pf]
+    zeros = zeros.reshape(module.qzeros.shape[0], -1)[:, : module.out_features]  # [groups, out]
+    if module.qzero_format() == 1:
+        zeros = zeros + 1
+    groups = module.g_idx.long()  # [in]
+    weight = module.scales.float()[groups] * (codes.float() - zeros.float()[groups])  # [in, out]
+    return weight.t().contiguous()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -4,12 +4,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import torch
 
+from predictor.engine.runner import ModelRunner, StepRow
 from predictor.errors import CheckpointError
-from predictor.model.loader import check_checkpoint, load_checkpoint
-from tests.support import REPO
+from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
+from predictor.settings import KERNELS, Settings
+from tests.support import REPO, ServerProcess
 
 
 def test_dense_checkpoint_is_not_gptq(tiny_dense_dir: Path) -> None:
@@ -50,3 +55,68 @@ def test_broken_config_is_one_clear_error(tmp_path: Path) -> None:
     )
     with pytest.raises(CheckpointError, match="no weight files"):
         check_checkpoint(tmp_path)
+
+
+def greedy_run(model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and their logits [steps, V] through the engine's runner."""
+    runner = ModelRunner(model, torch.device("cpu"), num_blocks=8, block_size=16)
+    table = list(range(8))
+    logits = runner.forward([StepRow(table, 0, prompt, True)])
+    tokens, rows = [], []
+    for step in range(steps):
+        rows.append(logits[0])
+        tokens.append(int(logits[0].argmax()))
+        logits = runner.forward([StepRow(table, len(prompt) + step, [tokens[-1]], True)])
+    return tokens, torch.stack(rows)
+
+
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "auto"])
+def test_every_kernel_gives_the_default_kernels_greedy_tokens(
+    kernel: str, tiny_gptq_dir: Path, tiny_gptq: LoadedModel
+) -> None:
+    prompt = tiny_gptq.tokenizer.encode("The capital of France is")
+    expected, expected_logits = greedy_run(tiny_gptq.model, prompt, 6)
+    loaded = load_checkpoint(tiny_gptq_dir, device="cpu", threads=1, kernel=kernel)
+    if kernel == "dequantized":
+        assert loaded.kernel == "Linear (dequantized)"
+        assert not any(type(m).__module__.startswith("gptqmodel") for m in loaded.model.modules())
+    else:
+        assert loaded.kernel != tiny_gptq.kernel or kernel == "gptq_torch_aten"
+    tokens, logits = greedy_run(loaded.model, prompt, 6)
+    spread = float(expected_logits.std())
+    if kernel == "gptq_torch_int8":
+        # re-quantizes the 4-bit weights to int8 per output channel: close, not the same numbers
+        assert float((logits - expected_logits).abs().mean()) < 0.1 * spread
+    else:
+        assert tokens == expected
+        assert float((logits - expected_logits).abs().max()) < 0.1 * spread
+
+
+def test_default_kernel_is_a_known_kernel_and_a_bad_one_is_refused(tiny_gptq_dir: Path) -> None:
+    assert Settings().kernel in KERNELS
+    assert Settings.from_sources([], {"PREDICTOR_KERNEL": "gptq_torch"}).kernel == "gptq_torch"
+    with pytest.raises(ValueError, match="--kernel must be one of auto, gptq_torch_aten"):
+        Settings.from_sources([], {"PREDICTOR_KERNEL": "marlin"})
+    with pytest.raises(CheckpointError, match="unknown kernel 'marlin' \\(choose one of auto"):
+        load_checkpoint(tiny_gptq_dir, device="cpu", kernel="marlin")
+
+
+def test_server_names_a_bad_kernel_and_exits(tiny_gptq_dir: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "predictor", "--model-dir", str(tiny_gptq_dir), "--kernel", "fast"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "argument --kernel: invalid choice: 'fast' (choose from 'auto', 'gptq_torch_aten'" in (
+        done.stderr
+    )
+
+
+def test_server_serves_with_the_kernel_it_was_given(tiny_gptq_dir: Path) -> None:
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--kernel", "dequantized"]) as srv:
+        body = {"text_input": "The capital of France is", "parameters": {"max_tokens": 4}}
+        r = httpx.post(f"{srv.base_url}/v2/models/tiny/generate", json=body, timeout=60)
+        log = srv.log()
+    assert r.status_code == 200, r.text
+    assert r.json()["details"]["generated_tokens"] >= 1
+    assert "(kernel Linear (dequantized)," in log
