@@ -6,6 +6,15 @@ Every response has the bool parameter `triton_final_response`; a request that se
 `triton_enable_empty_final_response` ends with an empty response flagged final. A bad request
 gets `error_message` and the stream stays open for the others. Cancelling the call aborts
 every request on it.
+
+A stream buffers at most `queue_size` (`--stream-queue-size`) responses for its reader. A request
+whose next token does not fit, and still does not after `SLOW_READER_GRACE_S`, is cancelled (its
+row is freed at the next step) and ends with a `RESOURCE_EXHAUSTED` error_message once the reader
+makes room: the engine cannot pause a row, so waiting would only move the backlog into the
+request's engine queue, unbounded while the row keeps generating. Final responses (nothing more to
+generate) wait for room, one per request at most. So a client that stops reading holds at most
+`queue_size` responses, one final per request (`--max-stream-requests`) and gRPC's flow-control
+window, and no rows; the step loop only ever appends to queues, and other streams are unaffected.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ log = logging.getLogger(__name__)
 SERVICE = "inference.GRPCInferenceService"
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
+SLOW_READER_GRACE_S = 1.0  # how long a token response may wait for room in a full stream queue
 
 
 class Undecodable:
@@ -115,7 +125,7 @@ class StreamInferServicer:
     async def model_stream_infer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[ModelStreamInferResponse]:
-        # bounded: a client that reads slowly holds its own requests back, not the server
+        # bounded: a reader that falls behind gets its requests cancelled (see the docstring)
         out: asyncio.Queue[ModelStreamInferResponse | None] = asyncio.Queue(self._queue_size)
         running: set[asyncio.Task[None]] = set()
 
@@ -180,11 +190,31 @@ class StreamInferServicer:
                 if event.text or event.final or (every_token and event.token_ids):
                     final = event.final and not empty_final
                     response = triton_codec.encode_stream_response(v2, model.name, decoded, event)
-                    await out.put(stream_response(response.to_grpc(), final))
+                    message = stream_response(response.to_grpc(), final)
+                    if event.final:  # nothing left to generate: wait for room
+                        await out.put(message)
+                    else:
+                        await self._offer(out, message)
                 if event.final and empty_final:
                     await out.put(empty_final_response(request, model.name))
         finally:
             await events.aclose()  # type: ignore[attr-defined]
+
+    async def _offer(self, out: asyncio.Queue[Any], message: ModelStreamInferResponse) -> None:
+        """Queue a token response, or raise Overloaded (cancelling the request) when the reader
+        leaves the queue full for longer than the grace."""
+        if not out.full():  # the common case, without a timer
+            out.put_nowait(message)
+            return
+        try:
+            async with asyncio.timeout(SLOW_READER_GRACE_S):
+                await out.put(message)
+        except TimeoutError:
+            raise Overloaded(
+                f"RESOURCE_EXHAUSTED: the client is not reading this stream: "
+                f"{self._queue_size} responses are waiting (--stream-queue-size); "
+                "the request is cancelled"
+            ) from None
 
 
 def stream_response(response: pb.ModelInferResponse, final: bool) -> ModelStreamInferResponse:

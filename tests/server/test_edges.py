@@ -182,6 +182,54 @@ def test_a_4mib_prompt_does_not_stall_other_streams(server: ServerProcess) -> No
         assert max(g) < max(2 * median, median + 0.25), (max(g), median)
 
 
+STREAM_QUEUE = 4
+# the client's HTTP/2 window, small and fixed (no BDP growth): what gRPC itself buffers for a
+# reader that does not read stays a few responses, so the server's queue is what fills
+SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+
+
+@pytest.fixture(scope="module")
+def small_queue(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
+    extra = ["--stream-queue-size", str(STREAM_QUEUE), "--max-tokens-limit", "1000"]
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
+        yield srv
+
+
+def test_a_stream_nobody_reads_is_cancelled_not_buffered(small_queue: ServerProcess) -> None:
+    """A ModelStreamInfer client that stops reading: the stream's queue fills to
+    --stream-queue-size, then its requests are cancelled (rows freed, nothing more buffered) and
+    end with RESOURCE_EXHAUSTED when the client reads again; other streams run on meanwhile."""
+    before = engine_tokens(small_queue)
+    with grpc.insecure_channel(small_queue.grpc_target, options=SMALL_WINDOW) as channel:
+        rpc = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=ModelStreamInferResponse.FromString,
+        )
+        # 1000 tokens (the model never ends early: see tests/support.py); not read until below
+        call = rpc(iter([stream_request("slow", b"Go", 1000, True)]), timeout=120)
+        other = grpc_stream(small_queue, [stream_request("other", b"Hi", 100, False)])
+        done = other[-1].infer_response.parameters
+        assert not any(r.error_message for r in other), other[-1]
+        assert done["generated_tokens"].int64_param == 100
+        assert done["finish_reason"].string_param == "length"
+        wait_idle(small_queue, timeout=60)  # the unread request's row is freed
+        slow_tokens = engine_tokens(small_queue) - before - 100
+        assert slow_tokens < 900, slow_tokens  # cancelled: a natural end is 1000 tokens
+        responses = list(call)
+    texts = [r for r in responses if not r.error_message and r.infer_response.outputs]
+    errors = [r for r in responses if r.error_message]
+    # what was buffered: the server's queue, plus the little the 1 KiB window holds
+    assert STREAM_QUEUE <= len(texts) <= STREAM_QUEUE + 12, len(texts)
+    assert len(texts) < slow_tokens
+    assert len(errors) == 1 and errors[0] is responses[-1]
+    assert "RESOURCE_EXHAUSTED" in errors[0].error_message
+    assert "--stream-queue-size" in errors[0].error_message
+    assert errors[0].infer_response.id == "slow"
+    assert errors[0].infer_response.parameters["triton_final_response"].bool_param
+    assert "Traceback" not in small_queue.log()
+
+
 # -- point 1: N prompts are one unit (over HTTP) -------------------------------------------------
 
 
