@@ -1,10 +1,18 @@
 """Fuzzing: schemathesis against the served OpenAPI document, hypothesis on the codecs.
 
-Whatever arrives, the answer is never a 5xx and never a hang.
+Whatever arrives, the answer is never a 5xx and never a hang. Each schemathesis case is also sent
+with one value made non-finite (`NaN`, `Infinity`), which schemathesis' valid JSON never holds:
+that is a 4xx naming it.
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import math
+from typing import Any
+
+import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,6 +24,61 @@ from predictor.errors import InvalidRequest
 from tests.support import ServerProcess
 
 ROUTES = r"/v2/models/\{model_name\}/(generate|generate_stream|infer_stream|infer)$"
+
+# schemathesis sends valid JSON only: each case also goes out with one value made non-finite
+NON_FINITE = st.sampled_from([math.nan, math.inf, -math.inf])
+
+
+def leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """(path, value) of every scalar in a JSON value, the value itself if it is one."""
+    if isinstance(value, dict):
+        return [leaf for key, item in value.items() for leaf in leaves(item, (*path, key))]
+    if isinstance(value, list):
+        return [leaf for i, item in enumerate(value) for leaf in leaves(item, (*path, i))]
+    return [(path, value)]
+
+
+def with_non_finite(data: st.DataObject, body: Any) -> str:
+    """`body` as Python's json writes it (`NaN`, `Infinity`, `-Infinity`) with one value replaced
+    by a non-finite number: one of its numbers if it has any, else any value; an empty object or
+    array gets one more member."""
+    number = data.draw(NON_FINITE, label="non-finite")
+    scalars = leaves(body)
+    numbers = [p for p, v in scalars if isinstance(v, int | float) and not isinstance(v, bool)]
+    if numbers or scalars:
+        path = data.draw(st.sampled_from(numbers or [p for p, _ in scalars]), label="path")
+        if not path:
+            return json.dumps(number)
+        body = copy.deepcopy(body)
+        container = body
+        for key in path[:-1]:
+            container = container[key]
+        container[path[-1]] = number
+    elif isinstance(body, dict):
+        body = {**body, "max_tokens": number}
+    else:
+        body = [*body, number]
+    return json.dumps(body)
+
+
+def post_non_finite(case: schemathesis.Case, data: st.DataObject, openai: bool) -> None:
+    """POST the case's body with a non-finite number: a 4xx naming it, in the route's error shape
+    (OpenAI's `{"error": {"message", "type", ...}}` on OpenAI routes, else `{"error": "..."}`)."""
+    request = case.as_transport_kwargs()
+    response = httpx.request(
+        request["method"],
+        request["url"],
+        params=request["params"],
+        headers={"Content-Type": "application/json"},
+        content=with_non_finite(data, request["json"]),
+        timeout=60,
+    )
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    error = response.json()["error"]
+    message = error["message"] if openai else error
+    assert isinstance(message, str) and "non-finite" in message, response.text
+    if openai:
+        assert error["type"] == "invalid_request_error", response.text
 
 
 def test_routes_never_answer_5xx(server: ServerProcess) -> None:
@@ -32,14 +95,14 @@ def test_routes_never_answer_5xx(server: ServerProcess) -> None:
     }
     for operation in operations:
 
-        @given(case=operation.as_strategy())
+        @given(case=operation.as_strategy(), data=st.data())
         @settings(
             max_examples=40,
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
         )
-        def check(case: schemathesis.Case) -> None:
+        def check(case: schemathesis.Case, data: st.DataObject) -> None:
             if case.path_parameters is not None:
                 case.path_parameters["model_name"] = "tiny"  # reach the body checks, not 404s
             if case.query:  # KServe's own /infer answers 501 to any ?model_version: not ours
@@ -48,6 +111,7 @@ def test_routes_never_answer_5xx(server: ServerProcess) -> None:
                 case.body["parameters"].setdefault("max_tokens", 4)
             response = case.call(timeout=60)
             case.validate_response(response, checks=[not_a_server_error])
+            post_non_finite(case, data, openai=False)
 
         check()
 
