@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Protocol, TypeVar
 
 from predictor.errors import GenerationFailed
 from predictor.types import (
@@ -14,6 +14,8 @@ from predictor.types import (
     TokenEvent,
     TokenLogprob,
 )
+
+T = TypeVar("T")
 
 
 class Stream(Protocol):
@@ -93,12 +95,21 @@ async def complete_all(streams: Sequence[Stream]) -> list[Completion]:
     (their rows are freed) and is raised."""
     if len(streams) == 1:
         return [await complete(streams[0])]
-    tasks = [asyncio.ensure_future(complete(s)) for s in streams]
+    try:
+        return await gather_all([complete(s) for s in streams])
+    finally:
+        for stream in streams:  # a task cancelled before it started never closed its stream
+            await stream.aclose()
+
+
+async def gather_all(work: Sequence[Awaitable[T]]) -> list[T]:
+    """Every result, or the first error once the rest are cancelled (and have ended)."""
+    if len(work) == 1:
+        return [await work[0]]
+    tasks = [asyncio.ensure_future(w) for w in work]
     try:
         return list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for stream in streams:  # a task cancelled before it started never closed its stream
-            await stream.aclose()

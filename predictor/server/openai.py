@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from predictor import openai_requests as requests
 from predictor import openai_responses as responses
+from predictor.engine.client import gather_all
 from predictor.errors import (
     EngineUnavailable,
     GenerationFailed,
@@ -71,19 +72,6 @@ def _sse(data: str) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
-
-
-async def gather_all(work: Sequence[Awaitable[TokenEvent]]) -> list[TokenEvent]:
-    """Every result, or the first error once the rest are cancelled."""
-    if len(work) == 1:
-        return [await work[0]]
-    tasks = [asyncio.ensure_future(w) for w in work]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _first(events: AsyncIterator[TokenEvent]) -> TokenEvent:
