@@ -165,20 +165,30 @@ def stream_gaps(server: ServerProcess, tokens: int, out: list[list[float]], i: i
 
 def test_a_4mib_prompt_does_not_stall_other_streams(server: ServerProcess) -> None:
     wait_idle(server)
+    huge = "The quick brown fox jumps over the lazy dog. " * (4 * MiB // 45)
+    big = {"text_input": huge, "parameters": {"max_tokens": 2, "chat": True}}
+    # encoded before the streams start: encoding 4 MiB here would hold this process's GIL and
+    # delay the stream readers' own clocks, which is not what is measured
+    payload = json.dumps(big).encode()
     gaps: list[list[float]] = [[], []]
     streams = [threading.Thread(target=stream_gaps, args=(server, 300, gaps, i)) for i in range(2)]
     for t in streams:
         t.start()
     time.sleep(1.5)  # the streams are under way
-    huge = "The quick brown fox jumps over the lazy dog. " * (4 * MiB // 45)
-    big = {"text_input": huge, "parameters": {"max_tokens": 2, "chat": True}}
-    r = httpx.post(f"{server.base_url}/v2/models/tiny/generate", json=big, timeout=120)
+    r = httpx.post(
+        f"{server.base_url}/v2/models/tiny/generate",
+        content=payload,
+        headers={"Content-Type": "application/json"},
+        timeout=120,
+    )
     assert r.status_code == 400 and "limit" in r.json()["error"]  # far past the prompt limit
     for t in streams:
         t.join(180)
     for g in gaps:
         assert len(g) > 100
         median = statistics.median(g)
+        # the issue's bar is 2x the median; arrival gaps seen by a client on this shared 2-core
+        # machine jitter past that with no big body at all, so the bar allows 0.25 s more
         assert max(g) < max(2 * median, median + 0.25), (max(g), median)
 
 
