@@ -7,8 +7,9 @@ the identity (210 gathers a step for SmolLM2: measured 6-8 ms of a 16-row step).
 with the output columns of several such layers side by side, so a layer's q, k and v are one
 call, and gate and up another: 7 kernel calls a layer become 4.
 
-Only layers whose reordering is the identity, with no bias and no adapter, are fused; the
-numbers are the same op's over the same packed weights. Only the runner uses them.
+Only layers whose reordering is the identity, with no bias and no adapter, are fused. Steps of
+several rows run the same weights expanded to bf16 and prepacked for oneDNN (see Int4Linear);
+the numbers differ from the int4 op's by bf16 rounding only. Only the runner uses them.
 """
 
 from __future__ import annotations
@@ -19,15 +20,20 @@ from typing import Any
 
 import torch
 
+# steps with at least this many tokens run the prepacked bf16 weights, fewer the int4 op
+DENSE_MIN_ROWS = 4
+
 
 class Int4Linear(torch.nn.Module):
     """The output columns of `parts` side by side, as one matmul.
 
     Where torch has oneDNN's prepacked linear (`mkldnn._linear_pointwise`), the int4 weights are
-    expanded once, exactly (the int4 op applied to an identity matrix), into bf16 and prepacked:
-    measured on this CPU at 16 rows, 273 us against 664 us for the int4 op (gate/up of
-    SmolLM2-135M), and no slower at 1 row, since a layer's weights stay in cache. 4x the weight
-    bytes of the fused layers (about 200 MB for SmolLM2-135M). Elsewhere the int4 op itself.
+    also expanded once, exactly (the int4 op applied to an identity matrix), into bf16 and
+    prepacked, and steps of DENSE_MIN_ROWS tokens or more use them: measured on this CPU at 16
+    rows, 273 us against 664 us for the int4 op (gate/up of SmolLM2-135M). With fewer rows a
+    step reads every layer's weights once and little else, and the int4 op moves a quarter of
+    the bytes: a 1-row step took 37 ms prepacked against 25 ms int4. The prepacked copy costs
+    4x the fused layers' int4 bytes (about 200 MB for SmolLM2-135M).
     """
 
     def __init__(self, parts: Sequence[Any]) -> None:
@@ -43,16 +49,15 @@ class Int4Linear(torch.nn.Module):
         self.prepacked: torch.Tensor | None = _prepack(
             qweight, scales_and_zeros, self.group_size, self.in_features
         )
-        if self.prepacked is None:
-            self.register_buffer("qweight", qweight)
-            self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, x.shape[-1])
         if flat.dtype != torch.bfloat16:
             flat = flat.to(torch.bfloat16)
-        if self.prepacked is not None:
+        if self.prepacked is not None and flat.shape[0] >= DENSE_MIN_ROWS:
             out = torch.ops.mkldnn._linear_pointwise(flat, self.prepacked, None, "none", [], "")
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
