@@ -14,7 +14,7 @@ from grpc_interceptor.exceptions import GrpcException
 from kserve import InferRequest, InferResponse, Model
 from kserve.errors import InvalidInput
 
-from predictor import codecs, triton_codec
+from predictor import codecs, triton_codec, triton_responses
 from predictor.engine.client import EngineClient, complete_all
 from predictor.errors import PredictorError, message_of, status_of
 from predictor.metrics import Metrics, ObservedStream
@@ -87,7 +87,7 @@ class LLMPredictor(Model):
         except Exception as exc:
             log.exception("V2 infer failed")
             raise to_kserve_error(exc, payload.from_grpc) from exc
-        return triton_codec.encode_infer_response(payload, self.name, decoded, completions)
+        return triton_responses.encode_infer_response(payload, self.name, decoded, completions)
 
     @property
     def statistics(self) -> InferenceStatistics:

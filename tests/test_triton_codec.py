@@ -14,7 +14,7 @@ from kserve import InferInput, InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 from kserve.protocol.infer_type import RequestedOutput, deserialize_bytes_tensor
 
-from predictor import triton_codec
+from predictor import triton_codec, triton_responses
 from predictor.errors import InvalidRequest
 from predictor.types import Completion, FinishReason, TokenEvent, Usage
 
@@ -189,7 +189,7 @@ def test_unary_response_with_optional_outputs_over_rest() -> None:
                  *flags("finish_reason", "num_input_tokens", "num_output_tokens"))  # fmt: skip
     decoded = decode(request)
     completion = Completion("r", " world", FinishReason.EOS, Usage(3, 2))
-    body, _ = triton_codec.encode_infer_response(request, "m", decoded, [completion]).to_rest()
+    body, _ = triton_responses.encode_infer_response(request, "m", decoded, [completion]).to_rest()
     assert isinstance(body, dict)
     outputs = {o["name"]: o["data"] for o in body["outputs"]}
     assert outputs == {
@@ -211,8 +211,8 @@ def test_stream_responses_over_grpc_carry_raw_outputs() -> None:
     decoded = decode(request, streaming=True)
     middle = TokenEvent("g", "ab", (1, 2))
     last = TokenEvent("g", "c", (3,), FinishReason.LENGTH, Usage(4, 3))
-    grpc_middle = triton_codec.encode_stream_response(request, "m", decoded, middle).to_grpc()
-    grpc_last = triton_codec.encode_stream_response(request, "m", decoded, last).to_grpc()
+    grpc_middle = triton_responses.encode_stream_response(request, "m", decoded, middle).to_grpc()
+    grpc_last = triton_responses.encode_stream_response(request, "m", decoded, last).to_grpc()
     assert [o.name for o in grpc_middle.outputs] == ["text_output", "finish_reason",
                                                      "num_output_tokens"]  # fmt: skip
     assert deserialize_bytes_tensor(grpc_middle.raw_output_contents[1]).tolist() == [b"None"]
@@ -221,17 +221,17 @@ def test_stream_responses_over_grpc_carry_raw_outputs() -> None:
                                                    "num_input_tokens", "num_output_tokens"]  # fmt: skip
     assert deserialize_bytes_tensor(grpc_last.raw_output_contents[1]).tolist() == [b"length"]
     assert np.frombuffer(grpc_last.raw_output_contents[2], np.uint32).tolist() == [4]
-    assert triton_codec.wants_every_token(decoded)
+    assert triton_responses.wants_every_token(decoded)
 
 
 def test_whole_event_counts_every_token() -> None:
     request = v2(tensor("stream", "BOOL", [False]), *flags("num_output_tokens"))
     decoded = decode(request, streaming=True)
-    event = triton_codec.whole_event(
+    event = triton_responses.whole_event(
         decoded, Completion("r", "!", FinishReason.LENGTH, Usage(2, 5))
     )
     assert event.text == "Hello!" and event.final
-    body, _ = triton_codec.encode_stream_response(request, "m", decoded, event).to_rest()
+    body, _ = triton_responses.encode_stream_response(request, "m", decoded, event).to_rest()
     assert isinstance(body, dict)
     assert body["outputs"][1] == {"name": "num_output_tokens", "shape": [1], "datatype": "UINT32",
                                   "data": [5]}  # fmt: skip

@@ -31,7 +31,7 @@ from kserve import InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
 
-from predictor import codecs, triton_codec, triton_status
+from predictor import codecs, triton_codec, triton_responses, triton_status
 from predictor.errors import (
     SERVER_FAULT,
     InvalidRequest,
@@ -178,10 +178,10 @@ class StreamInferServicer:
         if more:
             raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
         empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
-        every_token = triton_codec.wants_every_token(decoded)
+        every_token = triton_responses.wants_every_token(decoded)
         events = model.stream(req, "grpc")
         if not decoded.stream:
-            events = whole(events, lambda c: triton_codec.whole_event(decoded, c))
+            events = whole(events, lambda c: triton_responses.whole_event(decoded, c))
         try:
             async for event in events:
                 if event.error is not None:
@@ -189,7 +189,9 @@ class StreamInferServicer:
                     return
                 if event.text or event.final or (every_token and event.token_ids):
                     final = event.final and not empty_final
-                    response = triton_codec.encode_stream_response(v2, model.name, decoded, event)
+                    response = triton_responses.encode_stream_response(
+                        v2, model.name, decoded, event
+                    )
                     message = stream_response(response.to_grpc(), final)
                     if event.final:  # nothing left to generate: wait for room
                         await out.put(message)

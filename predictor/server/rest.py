@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kserve import InferRequest
 from kserve.protocol.rest.v2_datamodels import InferenceRequest
 
-from predictor import codecs, triton_codec
+from predictor import codecs, request_schemas, triton_codec, triton_responses
 from predictor.engine.client import EngineClient, complete
 from predictor.errors import (
     EngineUnavailable,
@@ -184,15 +184,15 @@ def build_router(resolve: Resolve) -> APIRouter:
             return error_response(exc)
 
         def encode(event: TokenEvent) -> dict[str, Any]:
-            response = triton_codec.encode_stream_response(v2, model.name, decoded, event)
+            response = triton_responses.encode_stream_response(v2, model.name, decoded, event)
             body, _ = response.to_rest()
             assert isinstance(body, dict)
             return body
 
         events = model.stream(req, "rest")
         if not decoded.stream:
-            events = whole(events, lambda c: triton_codec.whole_event(decoded, c))
-        return await start_stream(events, encode, triton_codec.wants_every_token(decoded))
+            events = whole(events, lambda c: triton_responses.whole_event(decoded, c))
+        return await start_stream(events, encode, triton_responses.wants_every_token(decoded))
 
     def route(
         path: str,
@@ -219,7 +219,7 @@ def build_router(resolve: Resolve) -> APIRouter:
                 f"{prefix}/{path}", endpoint, methods=["POST"], openapi_extra=openapi
             )
 
-    route("generate", generate, triton_codec.GENERATE_REQUEST_SCHEMA, streams=False)
-    route("generate_stream", generate_stream, triton_codec.GENERATE_REQUEST_SCHEMA, streams=True)
-    route("infer_stream", infer_stream, codecs.INFER_REQUEST_SCHEMA, streams=True)
+    route("generate", generate, request_schemas.GENERATE_REQUEST_SCHEMA, streams=False)
+    route("generate_stream", generate_stream, request_schemas.GENERATE_REQUEST_SCHEMA, streams=True)
+    route("infer_stream", infer_stream, request_schemas.INFER_REQUEST_SCHEMA, streams=True)
     return router
