@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from predictor.engine.int4_linear import fuse_layer
+from predictor.engine.int4_linear import dense_linear, fuse_layer
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
 
@@ -73,19 +73,25 @@ class ModelRunner:
         self.scale = float(self._layers[0].self_attn.scaling)
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
         self._fused = [fuse_layer(layer) for layer in self._layers]
+        self._norms = [
+            (_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm))
+            for layer in self._layers
+        ]
+        self._final_norm = _rms_norm(decoder.norm)
+        self._head = dense_linear(self._lm_head)
         dtype = self._embed.weight.dtype
         slots = num_blocks * block_size
-        # per layer: keys and values of every token slot, plus one zero slot that padding reads
-        # (masked keys must still be finite: 0 * NaN is NaN), [2, kv_heads, slots + 1,
+        # per layer: keys then values of every token slot, plus one zero slot that padding
+        # reads (masked keys must still be finite: 0 * NaN is NaN), [2 * kv_heads, slots + 1,
         # head_dim]: one write and one gather a layer serve both, and a gathered row's keys
         # come out [kv_heads, tokens, head_dim], the layout attention multiplies without a copy;
         # empty, so pages are touched (and count in RSS) only as the cache fills
         self._pools = [
-            torch.empty((2, self.kv_heads, slots + 1, self.head_dim), dtype=dtype, device=device)
+            torch.empty((2 * self.kv_heads, slots + 1, self.head_dim), dtype=dtype, device=device)
             for _ in self._layers
         ]
         for pool in self._pools:
-            pool[:, :, slots].zero_()
+            pool[:, slots].zero_()
         self._pad_slot = slots
 
     def bind_thread(self) -> None:
@@ -104,78 +110,95 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        """Run one step; logits [number of rows with `logits`, V] (float32), in row order."""
+        """Run one step; logits [number of rows with `logits`, V] (float32), in row order.
+
+        Every op here runs once per layer for the whole step (30 layers x 16 rows: a few
+        microseconds of dispatch per op add up to milliseconds), so a layer is written as few
+        tensor ops as it can be: one rotary pass over q, k and v together, one cache write, one
+        gather, the mask as an additive bias built once a step."""
         plan = _Plan.build(rows, self.block_size, self._pad_slot, self.device)
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
-        hidden = self._embed(ids).unsqueeze(0)  # [1, N, hidden]
-        positions = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
-        cos, sin = self._rotary(hidden, positions.unsqueeze(0))  # [1, N, head_dim] each
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, head_dim]
+        hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
+        rope = self._rope(hidden, plan.positions)
         for index, layer in enumerate(self._layers):
-            residual = hidden
-            normed = layer.input_layernorm(hidden)
-            hidden = residual + self._attention(index, layer.self_attn, normed, cos, sin, plan)
-            residual = hidden
-            hidden = residual + self._mlp(index, layer.mlp, layer.post_attention_layernorm(hidden))
-        wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
-        last = hidden[0].index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
-        return self._lm_head(self._norm(last)).float()  # [R, V]
+            before_attention, before_mlp = self._norms[index]
+            hidden = hidden + self._attention(
+                index, layer.self_attn, before_attention(hidden), rope, plan
+            )
+            hidden = hidden + self._mlp(index, layer.mlp, before_mlp(hidden))
+        if len(plan.logit_rows) != hidden.shape[0]:
+            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+            hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        return self._head(self._final_norm(hidden)).float()  # [R, V]
+
+    def _rope(
+        self, hidden: torch.Tensor, positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables [N, heads + 2 kv_heads, head_dim] that rotate q and k and leave v
+        as it is (cos 1, sin 0), sin's first half negated, for `_attention`'s single pass."""
+        at = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        half, rotated = self.head_dim // 2, self.heads + self.kv_heads
+        shape = (hidden.shape[0], rotated + self.kv_heads, self.head_dim)
+        cos_all = torch.ones(shape, dtype=cos.dtype, device=self.device)
+        sin_all = torch.zeros(shape, dtype=sin.dtype, device=self.device)
+        cos_all[:, :rotated] = cos
+        sin_all[:, :rotated, :half] = -sin[..., :half]
+        sin_all[:, :rotated, half:] = sin[..., half:]
+        return cos_all, sin_all
 
     def _attention(
         self,
         index: int,
         attn: Any,
-        hidden: torch.Tensor,  # [1, N, hidden]
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        hidden: torch.Tensor,  # [N, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
         plan: _Plan,
     ) -> torch.Tensor:
-        n = hidden.shape[1]
+        n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
         fused = self._fused[index]
         if fused is not None:
-            q, k, v = fused.qkv.split(fused.qkv(hidden))
+            qkv = fused.qkv(hidden)
         else:
-            q, k, v = attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)
-        q = q.reshape(n, self.heads, self.head_dim)
-        k = k.reshape(n, self.kv_heads, self.head_dim)
-        v = v.reshape(n, self.kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
+        # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
+        qkv = qkv.view(n, heads + 2 * kv_heads, dim)
+        cos, sin = rope
+        swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
+        qkv = qkv * cos + swapped * sin
         pool = self._pools[index]
-        new_kv = torch.stack((k, v)).transpose(1, 2)  # [2, kv_heads, N, head_dim]
-        pool.index_copy_(2, plan.write_slots, new_kv.to(pool.dtype))
-        out = torch.empty_like(q)  # [N, heads, head_dim]
+        pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
+        out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
         if plan.decode_rows:
             # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
             # slower here), the query heads grouped by the kv head they share (GQA), kv heads
             # leading so the gathered keys and values are multiplied where they lie
-            d, group = plan.decode_rows, self.heads // self.kv_heads
+            d, group = plan.decode_rows, heads // kv_heads
             longest = plan.decode_slots.shape[1]
-            kv = pool.index_select(2, plan.decode_slots.reshape(-1))  # [2, kvh, d * L, hd]
-            kv = kv.view(2, self.kv_heads, d, longest, self.head_dim)
-            query = q[:d].view(d, self.kv_heads, group, self.head_dim).transpose(0, 1)
-            # scores [kv_heads, d, G, L]
-            scores = torch.matmul(query, kv[0].transpose(-1, -2)).float() * self.scale
-            if plan.decode_mask is not None:  # [d, 1, 1, L]: rows shorter than the longest
-                scores = scores.masked_fill(~plan.decode_mask.view(1, d, 1, longest), -torch.inf)
-            probs = torch.softmax(scores, dim=-1).to(kv.dtype)
-            attended = torch.matmul(probs, kv[1])  # [kv_heads, d, G, head_dim]
-            out[:d] = attended.transpose(0, 1).reshape(d, self.heads, self.head_dim)
+            kv = pool.index_select(1, plan.decode_slots.view(-1))  # [2 kvh, d L, dim]
+            kv = kv.view(2, kv_heads, d, longest, dim)
+            query = qkv[:d, :heads].reshape(d, kv_heads, group, dim).transpose(0, 1)
+            scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, d, G, L]
+            # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
+            probs = torch.softmax(torch.add(plan.decode_bias, scores, alpha=self.scale), -1)
+            attended = torch.matmul(probs.to(kv.dtype), kv[1])  # [kv_heads, d, G, dim]
+            out[:d] = attended.transpose(0, 1).reshape(d, heads * dim)
         for first, count, slots, mask in plan.prefills:
-            query = q[first : first + count].transpose(0, 1).unsqueeze(0)  # [1, heads, n, hd]
-            kv = pool.index_select(2, slots)  # [2, kv_heads, T, head_dim]
+            query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
+            kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
             attended = F.scaled_dot_product_attention(
                 query,
-                kv[0].unsqueeze(0),
-                kv[1].unsqueeze(0),
+                kv[:, :kv_heads],
+                kv[:, kv_heads:],
                 attn_mask=mask,
                 is_causal=mask is None,
                 scale=self.scale,
-                enable_gqa=self.heads != self.kv_heads,
+                enable_gqa=heads != kv_heads,
             )
-            out[first : first + count] = attended[0].transpose(0, 1)
-        o_proj = attn.o_proj if fused is None else fused.o
-        return o_proj(out.view(1, n, self.heads * self.head_dim))
+            out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
+        return fused.o(out) if fused is not None else attn.o_proj(out)
 
     def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
         fused = self._fused[index]
@@ -185,9 +208,14 @@ class ModelRunner:
         return fused.down(mlp.act_fn(gate) * up)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rms_norm(module: Any) -> Any:
+    """transformers' Llama RMSNorm as one `torch.rms_norm` call (the same numbers in fp32,
+    measured; in bf16 rounded once instead of twice), or the module itself if it is another."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None:
+        return module
+    shape = (int(weight.shape[0]),)
+    return lambda x: torch.rms_norm(x, shape, weight, float(eps))
 
 
 @dataclass
@@ -199,7 +227,7 @@ class _Plan:
     write_slots: torch.Tensor  # [N]: the cache slot of every fed token
     decode_rows: int  # the first decode_rows rows feed one token each
     decode_slots: torch.Tensor  # [d, L]: each decode row's slots for positions 0..L-1
-    decode_mask: torch.Tensor | None  # [d, 1, 1, L] True where a key exists
+    decode_bias: torch.Tensor  # [d, 1, L] float32: 0 where a key exists, -inf past the row's end
     # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logit_rows: list[int]  # flat index of the last token of each row that wants logits
@@ -237,7 +265,7 @@ class _Plan:
                 mask = (keys_at <= queries_at).view(1, 1, count, end)
             prefills.append((first, count, slots, mask))
         decode_slots = torch.empty(0, dtype=torch.long)
-        decode_mask = None
+        decode_bias = torch.empty(0)
         if decode_rows:
             longest = max(decode_lengths)
             widest = max(len(t) for t in decode_tables)
@@ -246,19 +274,20 @@ class _Plan:
             )  # [d, widest]; padding blocks are masked out below
             offsets = torch.arange(block_size, device=device).repeat(widest)
             decode_slots = (tables * block_size).repeat_interleave(block_size, dim=1) + offsets
-            decode_slots = decode_slots[:, :longest]  # [d, longest]
+            decode_slots = decode_slots[:, :longest].contiguous()  # [d, longest]
+            decode_bias = torch.zeros((decode_rows, 1, longest), device=device)
             if min(decode_lengths) < longest:
                 lengths = torch.tensor(decode_lengths, device=device).unsqueeze(1)
-                exists = torch.arange(longest, device=device) < lengths  # [d, longest]
-                decode_slots = decode_slots.masked_fill(~exists, pad_slot)
-                decode_mask = exists.view(decode_rows, 1, 1, longest)
+                missing = torch.arange(longest, device=device) >= lengths  # [d, longest]
+                decode_slots = decode_slots.masked_fill(missing, pad_slot)
+                decode_bias = decode_bias.masked_fill(missing.unsqueeze(1), -torch.inf)
         return cls(
             ids,
             positions,
             torch.tensor(writes, dtype=torch.long, device=device),
             decode_rows,
             decode_slots,
-            decode_mask,
+            decode_bias,
             prefills,
             logit_rows,
         )
