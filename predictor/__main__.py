@@ -45,6 +45,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
                 allocator.num_blocks,
                 allocator.block_size,
                 threads=settings.torch_threads,
+                attention=settings.attention,
             )
         except UnsupportedModel as exc:
             raise CheckpointError(str(exc)) from exc

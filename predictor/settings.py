@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from predictor.engine.native import CHOICES as ATTENTION
+
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 # GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
 # its backend names) and the weights dequantized at load into plain Linear layers. Not offered:
@@ -34,6 +36,7 @@ class Settings:
     # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
     # there at batch 16 (load/RESULTS.md, "CPU GPTQ kernels"), the GPU kernels on a GPU
     kernel: str = "auto"
+    attention: str = "auto"  # decode attention: auto | native (engine/native.py) | torch
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
@@ -97,6 +100,10 @@ class Settings:
             raise ValueError(
                 "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds > 0"
             )
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"--attention must be one of {', '.join(ATTENTION)}, not {self.attention!r}"
+            )
         if self.kernel not in KERNELS:
             raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
         if self.request_timeout < 0 or self.drain_seconds < 0:
@@ -125,6 +132,9 @@ _HELP = {
     "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice), a gptqmodel backend "
     f"({', '.join(KERNELS[1:-1])}) or dequantized (expanded once at load into plain Linear "
     "layers of the model's dtype: the same numbers, 4x the weight memory)",
+    "attention": "how decode rows attend on a CPU: native (a C kernel compiled at start with "
+    "$CC or cc, reading the paged cache in place; bf16 models), torch (gather + batched "
+    "matmuls), or auto: native where it compiles",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",
@@ -175,7 +185,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             dest=f.name,
             type=convert,
             default=default,
-            choices=KERNELS if f.name == "kernel" else None,
+            choices={"kernel": KERNELS, "attention": ATTENTION}.get(f.name),
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
     return parser

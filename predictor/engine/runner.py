@@ -12,6 +12,7 @@ Linear replacement works; attention and the cache are ours. Llama-family decoder
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from predictor.engine.int4_linear import dense_linear, fuse_layer
+from predictor.engine.native import CHOICES as ATTENTION
+from predictor.engine.native import DecodeAttention, NativeUnavailable, decode_attention
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
 
@@ -46,7 +51,11 @@ class ModelRunner:
         num_blocks: int,
         block_size: int = 16,
         threads: int = 0,
+        attention: str = "auto",
     ) -> None:
+        """`attention`: how decode rows attend. "native": the C kernel of engine/native.py,
+        reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
+        "auto": native where it applies and compiles, else torch."""
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -93,6 +102,24 @@ class ModelRunner:
         for pool in self._pools:
             pool[:, slots].zero_()
         self._pad_slot = slots
+        self._native = self._native_attention(attention, dtype)
+
+    def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+        if attention == "torch":
+            return None
+        if self.device.type != "cpu" or dtype != torch.bfloat16:
+            if attention == "native":
+                raise ValueError("native attention needs a bf16 model on the CPU")
+            return None
+        try:
+            return decode_attention(self.head_dim, self.heads // self.kv_heads, self.block_size)
+        except NativeUnavailable as error:
+            if attention == "native":
+                raise
+            logger.warning("native decode attention unavailable, using torch's: %s", error)
+            return None
 
     def bind_thread(self) -> None:
         """Called first on the thread that will run the forward passes.
@@ -116,7 +143,14 @@ class ModelRunner:
         microseconds of dispatch per op add up to milliseconds), so a layer is written as few
         tensor ops as it can be: one rotary pass over q, k and v together, one cache write, one
         gather, the mask as an additive bias built once a step."""
-        plan = _Plan.build(rows, self.block_size, self._pad_slot, self.device)
+        plan = _Plan.build(
+            rows,
+            self.block_size,
+            self._pad_slot,
+            self.device,
+            self._native is not None,
+            self.heads // self.kv_heads,
+        )
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
         rope = self._rope(hidden, plan.positions)
@@ -171,7 +205,23 @@ class ModelRunner:
         pool = self._pools[index]
         pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
         out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
-        if plan.decode_rows:
+        if plan.decode_rows and self._native is not None:
+            tables, lengths, scratch = plan.native_args
+            self._native(
+                qkv.data_ptr(),
+                qkv.stride(0),
+                pool.data_ptr(),
+                pool.shape[1],
+                tables.data_ptr(),
+                tables.shape[1],
+                lengths.data_ptr(),
+                plan.decode_rows,
+                kv_heads,
+                self.scale,
+                out.data_ptr(),
+                scratch.data_ptr(),
+            )
+        elif plan.decode_rows:
             # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
             # slower here), the query heads grouped by the kv head they share (GQA), kv heads
             # leading so the gathered keys and values are multiplied where they lie
@@ -231,10 +281,19 @@ class _Plan:
     # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logit_rows: list[int]  # flat index of the last token of each row that wants logits
+    # for the native kernel instead of decode_slots and decode_bias: block tables [d, widest]
+    # and lengths [d] (int64), scratch [group * longest] (float32)
+    native_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
     @classmethod
     def build(
-        cls, rows: Sequence[StepRow], block_size: int, pad_slot: int, device: torch.device
+        cls,
+        rows: Sequence[StepRow],
+        block_size: int,
+        pad_slot: int,
+        device: torch.device,
+        native: bool = False,
+        group: int = 1,
     ) -> _Plan:
         ids: list[int] = []
         positions: list[int] = []
@@ -266,12 +325,23 @@ class _Plan:
             prefills.append((first, count, slots, mask))
         decode_slots = torch.empty(0, dtype=torch.long)
         decode_bias = torch.empty(0)
+        native_args = (decode_slots, decode_slots, decode_bias)
         if decode_rows:
             longest = max(decode_lengths)
             widest = max(len(t) for t in decode_tables)
             tables = torch.tensor(
                 [t + [0] * (widest - len(t)) for t in decode_tables], device=device
             )  # [d, widest]; padding blocks are masked out below
+        if decode_rows and native:
+            # the kernel reads blocks by these numbers: they must lie in the pool
+            if (
+                min(min(t) for t in decode_tables) < 0
+                or max(max(t) for t in decode_tables) >= pad_slot // block_size
+            ):
+                raise ValueError("a block table names a block outside the cache")
+            lengths = torch.tensor(decode_lengths, dtype=torch.long)
+            native_args = (tables, lengths, torch.empty(group * longest))
+        elif decode_rows:
             offsets = torch.arange(block_size, device=device).repeat(widest)
             decode_slots = (tables * block_size).repeat_interleave(block_size, dim=1) + offsets
             decode_slots = decode_slots[:, :longest].contiguous()  # [d, longest]
@@ -290,6 +360,7 @@ class _Plan:
             decode_bias,
             prefills,
             logit_rows,
+            native_args,
         )
 
 

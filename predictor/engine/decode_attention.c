@@ -1,0 +1,108 @@
+/* Decode attention straight from the paged KV cache, for the CPU runner (engine/native.py).
+ *
+ * One query token per row. Each row's keys and values are read where they lie, block by block
+ * through the row's block table: no gather into a padded copy, no mask, no work past a row's
+ * end. fp32 arithmetic on bf16 storage; compiled per model shape (DIM, GROUP, BLOCK are
+ * -D constants) so the compiler unrolls and vectorises the head_dim loops.
+ *
+ * q:       bf16 [rows][q_stride]: a row's query heads first, heads * DIM values
+ * pool:    bf16 [2 * kv_heads][slots][DIM]: keys of every slot for each kv head, then values
+ * tables:  int64 [rows][table_width]: each row's cache blocks; lengths: int64 [rows]
+ * out:     bf16 [rows][heads * DIM]
+ * scratch: float, GROUP * (longest length) values
+ */
+#include <stdint.h>
+
+#ifndef DIM
+#error "compile with -DDIM=<head_dim> -DGROUP=<heads per kv head> -DBLOCK=<block size>"
+#endif
+
+static inline float from_bf16(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)x) << 16;
+    return v.f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the maximum), relative error ~2e-7 */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float n = __builtin_roundf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool,
+                           int64_t slots, const int64_t *tables, int64_t table_width,
+                           const int64_t *lengths, int64_t rows, int64_t kv_heads, float scale,
+                           uint16_t *out, float *scratch) {
+    const int64_t heads = kv_heads * GROUP;
+    float query[GROUP][DIM], acc[GROUP][DIM], row[DIM];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t length = lengths[r];
+        const int64_t *table = tables + r * table_width;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const uint16_t *keys = pool + h * slots * DIM;
+            const uint16_t *values = pool + (kv_heads + h) * slots * DIM;
+            float best[GROUP], total[GROUP];
+            for (int g = 0; g < GROUP; g++) {
+                const uint16_t *src = q + r * q_stride + (h * GROUP + g) * DIM;
+                for (int i = 0; i < DIM; i++) query[g][i] = from_bf16(src[i]) * scale;
+                best[g] = -3.0e38f;
+            }
+            for (int64_t b = 0, l = 0; l < length; b++) { /* scores, block by block */
+                const uint16_t *block = keys + table[b] * BLOCK * DIM;
+                for (int j = 0; j < BLOCK && l < length; j++, l++) {
+                    for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
+                    for (int g = 0; g < GROUP; g++) {
+                        float s = 0.0f;
+                        for (int i = 0; i < DIM; i++) s += query[g][i] * row[i];
+                        scratch[g * length + l] = s;
+                        if (s > best[g]) best[g] = s;
+                    }
+                }
+            }
+            for (int g = 0; g < GROUP; g++) { /* softmax numerators and their sums */
+                float *p = scratch + g * length, sum = 0.0f;
+                for (int64_t l = 0; l < length; l++) {
+                    p[l] = exp_nonpositive(p[l] - best[g]);
+                    sum += p[l];
+                }
+                total[g] = sum;
+                for (int i = 0; i < DIM; i++) acc[g][i] = 0.0f;
+            }
+            for (int64_t b = 0, l = 0; l < length; b++) { /* the values, weighted */
+                const uint16_t *block = values + table[b] * BLOCK * DIM;
+                for (int j = 0; j < BLOCK && l < length; j++, l++) {
+                    for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
+                    for (int g = 0; g < GROUP; g++) {
+                        const float p = scratch[g * length + l];
+                        for (int i = 0; i < DIM; i++) acc[g][i] += p * row[i];
+                    }
+                }
+            }
+            for (int g = 0; g < GROUP; g++) {
+                uint16_t *dst = out + r * heads * DIM + (h * GROUP + g) * DIM;
+                const float inverse = 1.0f / total[g];
+                for (int i = 0; i < DIM; i++) dst[i] = to_bf16(acc[g][i] * inverse);
+            }
+        }
+    }
+}
