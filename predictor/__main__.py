@@ -6,6 +6,7 @@ first imported, so `main` hides our flags from it before importing the adapters.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -114,6 +115,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         name, model_dir, loaded.device, loaded.kernel, settings.torch_threads,
     )  # fmt: skip
     server = PredictorServer(settings)
+    # Everything loaded so far lives as long as the process: out of the collector's sight, so
+    # that a full collection walks only what requests allocate (measured here with the model
+    # loaded: gc.collect() held the GIL, and so every stream, for 153 ms). vLLM does the same.
+    gc.collect()
+    gc.freeze()
     server.start([predictor])
     return 0
 

@@ -57,7 +57,22 @@ def check_plain(value: Any, max_depth: int = DEFAULT_MAX_JSON_DEPTH, where: str 
             raise InvalidRequest(f"the {where} holds a non-finite number ({item})")
 
 
+def check_depth(value: Any, max_depth: int = DEFAULT_MAX_JSON_DEPTH, where: str = "body") -> None:
+    """`check_plain`'s nesting check alone, for values from a parser (orjson) that already
+    refuses non-finite numbers and lone surrogates: the strings are not walked."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            if depth > max_depth:
+                raise InvalidRequest(f"the {where} is nested deeper than {max_depth} levels")
+            inner = item.values() if isinstance(item, dict) else item
+            stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list))
+
+
 def _check_string(text: str, where: str) -> None:
+    if text.isascii():  # O(1) in CPython (a flag of the string): no surrogate possible
+        return
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

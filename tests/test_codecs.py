@@ -132,3 +132,16 @@ def test_null_parameters_take_their_defaults() -> None:
     )
     assert req.params.max_tokens == 9 and req.params.greedy and req.params.seed is None
     assert req.chat is False and req.timeout is None
+
+
+def test_check_depth_counts_containers_only() -> None:
+    codecs.check_depth({"a": [{"b": ["x" * 10]}]}, max_depth=4)
+    with pytest.raises(InvalidRequest, match="deeper than 3"):
+        codecs.check_depth({"a": [{"b": []}]}, max_depth=3)
+    codecs.check_depth({"a": "\ud800", "b": float("nan")}, max_depth=2)  # orjson refuses these
+
+
+def test_check_plain_refuses_surrogates_in_non_ascii_strings_only() -> None:
+    codecs.check_plain({"a": "caf\u00e9 " * 1000, "b": "plain"})
+    with pytest.raises(InvalidRequest, match="surrogate"):
+        codecs.check_plain({"a": "caf\u00e9 \ud800"})

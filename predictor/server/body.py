@@ -4,6 +4,10 @@
 - A JSON body is refused (400) if it holds non-finite numbers, lone surrogates or nesting past
   `max_depth`: Python's JSON parser accepts all three, and nothing downstream can use them.
   Malformed JSON is left to the route, which says why in its own shape.
+- The body is parsed once, here, by orjson (a 4 MiB prompt: 4.9 ms against 8.7 ms for `json`,
+  all of it holding the GIL on the event loop), and our routes take the value from the scope
+  (`parsed_body`) instead of parsing it again. orjson refuses what `check_plain` refuses, so only
+  a body it refuses is parsed again by `json`, to say precisely why.
 - The route runs as a task that is cancelled when the client disconnects, so a unary request
   (`/generate`, V2 `/infer`, OpenAI without `stream`) stops generating when nobody waits for it.
 """
@@ -15,6 +19,7 @@ import contextlib
 import json
 from typing import Any
 
+import orjson
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +28,14 @@ from predictor import openai_responses as openai_shapes
 from predictor.errors import BodyTooLarge, InvalidRequest, PredictorError, status_of
 
 _OPENAI_PREFIXES = ("/v1/", "/openai/v1/")
+_PARSED = "predictor.parsed_body"  # scope key: the JSON value the guard parsed
+
+
+def parsed_body(scope: Scope) -> tuple[bool, Any]:
+    """(True, value) if the guard parsed this request's body as JSON, else (False, None)."""
+    if _PARSED in scope:
+        return True, scope[_PARSED]
+    return False, None
 
 
 def refusal(path: str, exc: PredictorError) -> JSONResponse:
@@ -86,12 +99,21 @@ class BodyGuard:
         if not body:
             return
         try:
-            value: Any = json.loads(body)
+            value: Any = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            value = self._parse_leniently(body)  # raises what is wrong, if anything
+            codecs.check_plain(value, self.max_depth)
+            return  # json took what orjson did not (UTF-16, say): the route parses it itself
+        codecs.check_depth(value, self.max_depth)  # the rest orjson has refused already
+        scope[_PARSED] = value
+
+    def _parse_leniently(self, body: bytes) -> Any:
+        try:
+            return json.loads(body)
         except RecursionError as exc:
             raise InvalidRequest(f"the body is nested deeper than {self.max_depth} levels") from exc
         except ValueError:
-            return  # malformed: the route answers in its own shape
-        codecs.check_plain(value, self.max_depth)
+            return None  # malformed: the route answers in its own shape
 
     async def _run(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> None:
         disconnected = asyncio.Event()

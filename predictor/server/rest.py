@@ -26,6 +26,7 @@ from predictor.errors import (
     message_of,
     status_of,
 )
+from predictor.server.body import parsed_body
 from predictor.statistics import InferenceStatistics
 from predictor.types import Completion, GenerateRequest, TokenEvent
 
@@ -126,6 +127,9 @@ async def whole(
 
 
 async def read_json(request: Request) -> Any:
+    parsed, value = parsed_body(request.scope)
+    if parsed:  # BodyGuard parsed it already
+        return value
     try:
         return await request.json()
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

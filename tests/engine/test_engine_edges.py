@@ -196,6 +196,20 @@ async def test_tokenizing_runs_off_the_event_loop_and_counts_as_waiting(tiny_den
         assert max(gaps) < 0.75, f"the event loop stalled for {max(gaps):.2f} s"
 
 
+class NoTemplateTokenizer(SlowTokenizer):
+    def apply_chat_template(self, *args: Any, **kw: Any) -> str:
+        raise AssertionError("an overlong conversation was rendered")
+
+
+async def test_an_overlong_chat_is_refused_before_its_template_renders(tiny_dense: Tiny) -> None:
+    tokenizer = NoTemplateTokenizer(tiny_dense.tokenizer, 0.0)
+    with engine_on(tiny_dense, tokenizer=tokenizer) as (engine, scheduler):
+        huge = "word " * 100_000  # far more characters than 100 tokens can hold
+        with pytest.raises(InvalidRequest, match="characters"):
+            await engine.generate_all([req("c", 2, prompt=huge, chat=True)])
+        assert not scheduler.seen
+
+
 # -- point 3: liveness --------------------------------------------------------------------------
 
 
