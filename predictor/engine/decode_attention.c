@@ -49,6 +49,15 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+/* A row's blocks lie anywhere in the pool (rows take blocks as they grow, interleaved), where
+   the hardware prefetcher cannot follow: the next block is requested while this one is used.
+   Measured, 16 rows of 150 tokens, 30 layers: blocks interleaved row by row 8.7 -> 7.7 ms,
+   in random places 17.1 -> 13.4 ms, each row's blocks adjacent 6.0 -> 5.8 ms. */
+static inline void prefetch_block(const uint16_t *block) {
+    const char *bytes = (const char *)block;
+    for (int c = 0; c < BLOCK * DIM * 2; c += 64) __builtin_prefetch(bytes + c);
+}
+
 void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool,
                            int64_t slots, const int64_t *tables, int64_t table_width,
                            const int64_t *lengths, int64_t rows, int64_t kv_heads, float scale,
@@ -69,6 +78,7 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             }
             for (int64_t b = 0, l = 0; l < length; b++) { /* scores, block by block */
                 const uint16_t *block = keys + table[b] * BLOCK * DIM;
+                if (l + BLOCK < length) prefetch_block(keys + table[b + 1] * BLOCK * DIM);
                 for (int j = 0; j < BLOCK && l < length; j++, l++) {
                     for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
                     for (int g = 0; g < GROUP; g++) {
@@ -90,6 +100,7 @@ void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *
             }
             for (int64_t b = 0, l = 0; l < length; b++) { /* the values, weighted */
                 const uint16_t *block = values + table[b] * BLOCK * DIM;
+                if (l + BLOCK < length) prefetch_block(values + table[b + 1] * BLOCK * DIM);
                 for (int j = 0; j < BLOCK && l < length; j++, l++) {
                     for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
                     for (int g = 0; g < GROUP; g++) {
