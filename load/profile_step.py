@@ -57,8 +57,8 @@ class PagedRows:
     """After the rewrite: every row in its own blocks; a step is one forward of StepRows.
 
     Blocks come from the engine's BlockAllocator as the step loop takes them: a row's prompt
-    blocks at once, then one more whenever a row's tokens fill its last block, so decoded
-    blocks interleave row by row, as they do in the server."""
+    blocks at once (placed where its reservation of prompt + 256 tokens fits), then one more
+    whenever a row's tokens fill its last block (next to it if free), as in the server."""
 
     def __init__(self, model: Any, rows: list[list[int]]) -> None:
         import torch
@@ -70,7 +70,10 @@ class PagedRows:
         per_row = 1 + (max(map(len, rows)) + 256) // 16
         self.allocator = BlockAllocator(len(rows) * per_row, 16)
         self.runner = ModelRunner(model, torch.device("cpu"), len(rows) * per_row, 16)
-        self.tables = [self.allocator.allocate(blocks_for(len(r), 16)) for r in rows]
+        self.tables = [
+            self.allocator.allocate(blocks_for(len(r), 16), claim=blocks_for(len(r) + 256, 16))
+            for r in rows
+        ]
         self.lengths = [len(r) for r in rows]
         logits = self.runner.forward(
             [StepRow(t, 0, r, True) for t, r in zip(self.tables, rows, strict=True)]
@@ -80,7 +83,7 @@ class PagedRows:
     def step(self) -> None:
         for table, n in zip(self.tables, self.lengths, strict=True):
             if n == len(table) * 16:  # the next token starts a block
-                table.extend(self.allocator.allocate(1))
+                table.extend(self.allocator.allocate(1, after=table[-1]))
         rows = [
             self.StepRow(t, n, [tok], True)
             for t, n, tok in zip(self.tables, self.lengths, self.last, strict=True)

@@ -10,7 +10,7 @@ import json
 import math
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -39,35 +39,39 @@ def check_plain(value: Any, max_depth: int = DEFAULT_MAX_JSON_DEPTH, where: str 
     """Refuse what JSON parsers let through but nothing downstream can handle: non-finite
     numbers (NaN, Infinity, 1e999), lone surrogates (a "\\ud800" escape) in any string or key,
     and nesting deeper than `max_depth`. Iterative: a deep value cannot exhaust the stack."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > max_depth:
-                raise InvalidRequest(f"the {where} is nested deeper than {max_depth} levels")
-            if isinstance(item, dict):
-                for key, inner in item.items():
-                    _check_string(key, where)
-                    stack.append((inner, depth + 1))
-            else:
-                stack.extend((inner, depth + 1) for inner in item)
-        elif isinstance(item, str):
-            _check_string(item, where)
-        elif isinstance(item, float) and not math.isfinite(item):
-            raise InvalidRequest(f"the {where} holds a non-finite number ({item})")
+    for item in _containers(value, max_depth, where) if isinstance(value, dict | list) else ():
+        for key in item if isinstance(item, dict) else ():
+            _check_string(key, where)
+        for inner in item.values() if isinstance(item, dict) else item:
+            _check_scalar(inner, where)
+    _check_scalar(value, where)
 
 
 def check_depth(value: Any, max_depth: int = DEFAULT_MAX_JSON_DEPTH, where: str = "body") -> None:
     """`check_plain`'s nesting check alone, for values from a parser (orjson) that already
     refuses non-finite numbers and lone surrogates: the strings are not walked."""
+    if isinstance(value, dict | list):
+        for _ in _containers(value, max_depth, where):
+            pass
+
+
+def _containers(value: Any, max_depth: int, where: str) -> Iterator[Any]:
+    """Every dict and list within `value` (itself one), refusing nesting past `max_depth`."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            if depth > max_depth:
-                raise InvalidRequest(f"the {where} is nested deeper than {max_depth} levels")
-            inner = item.values() if isinstance(item, dict) else item
-            stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list))
+        if depth > max_depth:
+            raise InvalidRequest(f"the {where} is nested deeper than {max_depth} levels")
+        yield item
+        inner = item.values() if isinstance(item, dict) else item
+        stack.extend((x, depth + 1) for x in inner if isinstance(x, dict | list))
+
+
+def _check_scalar(item: Any, where: str) -> None:
+    if isinstance(item, str):
+        _check_string(item, where)
+    elif isinstance(item, float) and not math.isfinite(item):
+        raise InvalidRequest(f"the {where} holds a non-finite number ({item})")
 
 
 def _check_string(text: str, where: str) -> None:

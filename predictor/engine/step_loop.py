@@ -176,8 +176,10 @@ class StepLoop:
             rows.append(StepRow(seq.blocks, seq.cached, chunk, logits=done))
         for seq, row in zip(fed, rows, strict=True):
             need = blocks_for(row.start + len(row.tokens), self.allocator.block_size)
-            if need > len(seq.blocks):
-                seq.blocks.extend(self.allocator.allocate(need - len(seq.blocks)))
+            if need > len(seq.blocks):  # next to the row's blocks, or where its reservation fits
+                after = seq.blocks[-1] if seq.blocks else None
+                more = self.allocator.allocate(need - len(seq.blocks), after, seq.reserved_blocks)
+                seq.blocks.extend(more)
         return fed, rows
 
     def _forward(self) -> None:

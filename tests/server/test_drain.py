@@ -14,7 +14,7 @@ import httpx
 
 from tests.support import ServerProcess
 
-LONG = {"text_input": "Go on", "parameters": {"max_tokens": 500}}
+LONG = {"text_input": "Go on", "parameters": {"max_tokens": 500, "ignore_eos": True}}
 
 
 def read_stream(base: str, out: list[dict], started: threading.Event) -> None:

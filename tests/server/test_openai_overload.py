@@ -21,7 +21,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_to
 
 @pytest.fixture(scope="module")
 def small(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
-    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "512"]
+    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "900"]
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
         yield srv
 

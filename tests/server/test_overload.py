@@ -16,12 +16,13 @@ from tests.server.test_grpc_stream import running_requests, wait_idle
 from tests.server.test_v2_grpc import infer_request
 from tests.support import ServerProcess
 
-LONG = {"text_input": "Go on", "parameters": {"max_tokens": 500}}
+# holds its row for 900 steps of the tiny model (a few seconds), never ending early
+LONG = {"text_input": "Go on", "parameters": {"max_tokens": 900, "ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
 def small(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
-    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "512"]
+    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "900"]
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
         yield srv
 
