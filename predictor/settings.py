@@ -133,8 +133,8 @@ _HELP = {
     f"({', '.join(KERNELS[1:-1])}) or dequantized (expanded once at load into plain Linear "
     "layers of the model's dtype: the same numbers, 4x the weight memory)",
     "attention": "how decode rows attend on a CPU: native (a C kernel compiled at start with "
-    "$CC or cc, reading the paged cache in place; bf16 models), torch (gather + batched "
-    "matmuls), or auto: native where it compiles",
+    "$CC or cc/gcc/g++/clang, reading the paged cache in place; bf16 models), torch (gather + "
+    "batched matmuls), or auto: native where it compiles",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",

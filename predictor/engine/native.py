@@ -7,9 +7,10 @@ arithmetic. The C kernel reads each row's blocks where they lie. Measured for Sm
 (9 heads, 3 KV heads, head_dim 64), one layer, 1 thread, gather included: 1 row of 150 tokens
 9 us against 97 us; 16 rows 125 us against 308; 16 rows of 400 tokens 380 against 896.
 
-It is compiled once per process and model shape with the system C compiler (`$CC`, else
-`cc`), about 0.3 s, into a temporary file; where no compiler works the runner keeps its torch
-path (`--attention torch` forces it). No torch here: the runner passes tensors' addresses.
+It is compiled once per process and model shape with the system C compiler (`$CC`, else the
+first of cc, gcc, g++, clang), about 0.3 s, into a temporary file; where no compiler works the
+runner keeps its torch path (`--attention torch` forces it). No torch here: the runner passes
+tensors' addresses.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ class NativeUnavailable(RuntimeError):
 def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttention:
     """The compiled kernel for these shapes; NativeUnavailable (with the compiler's words) if
     it cannot be built here."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise NativeUnavailable(f"no C compiler ({compiler!r} not found)")
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "g++", "clang"]
+    compiler = next((name for name in names if shutil.which(name)), None)
+    if compiler is None:
+        raise NativeUnavailable(f"no C compiler (none of {', '.join(names)} found)")
     defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"]
     with tempfile.TemporaryDirectory(prefix="gptq-predictor-native-") as folder:
         library = Path(folder) / "decode_attention.so"
@@ -52,7 +54,7 @@ def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttent
         # -march=native first (vector width of this CPU); some compilers lack it
         for arch in (["-march=native"], []):
             command = [compiler, *FLAGS, *arch, *defines, "-fPIC", "-shared"]
-            command += [str(SOURCE), "-o", str(library)]
+            command += ["-x", "c", str(SOURCE), "-o", str(library)]  # C, even to g++
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.TimeoutExpired) as error:
