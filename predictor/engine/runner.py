@@ -141,8 +141,8 @@ class ModelRunner:
 
         Every op here runs once per layer for the whole step (30 layers x 16 rows: a few
         microseconds of dispatch per op add up to milliseconds), so a layer is written as few
-        tensor ops as it can be: one rotary pass over q, k and v together, one cache write, one
-        gather, the mask as an additive bias built once a step."""
+        tensor ops as it can be: one rotary pass over q, k and v together, one cache write, and
+        decode attention as one native call (or one gather and a few batched matmuls)."""
         plan = _Plan.build(
             rows,
             self.block_size,
