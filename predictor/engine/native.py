@@ -47,7 +47,22 @@ def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttent
     compiler = next((name for name in names if shutil.which(name)), None)
     if compiler is None:
         raise NativeUnavailable(f"no C compiler (none of {', '.join(names)} found)")
-    defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"]
+    try:
+        lib = _build(compiler, [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"])
+    except OSError as error:  # no writable temp folder, a noexec one, ...
+        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    function = lib.decode_attention_bf16
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    function.restype = None
+    function.argtypes = [pointer, integer, pointer, integer, pointer, integer, pointer]
+    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer]
+    logger.info("native decode attention compiled (head_dim %d, group %d)", head_dim, group)
+    kernel: DecodeAttention = function
+    return kernel
+
+
+def _build(compiler: str, defines: list[str]) -> ctypes.CDLL:
+    """Compile decode_attention.c with these -D constants and load it."""
     with tempfile.TemporaryDirectory(prefix="gptq-predictor-native-") as folder:
         library = Path(folder) / "decode_attention.so"
         errors = []
@@ -64,12 +79,4 @@ def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttent
             errors.append(done.stderr.strip()[-500:])
         else:
             raise NativeUnavailable(f"{compiler} failed: {' | '.join(errors)}")
-        lib = ctypes.CDLL(str(library))  # mapped: the file may go with the folder
-    function = lib.decode_attention_bf16
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    function.restype = None
-    function.argtypes = [pointer, integer, pointer, integer, pointer, integer, pointer]
-    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer]
-    logger.info("native decode attention compiled (head_dim %d, group %d)", head_dim, group)
-    kernel: DecodeAttention = function
-    return kernel
+        return ctypes.CDLL(str(library))  # mapped: the file may go with the folder

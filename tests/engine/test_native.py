@@ -132,3 +132,20 @@ def test_attention_setting_is_validated() -> None:
     Settings(attention="torch").check()
     with pytest.raises(ValueError, match="--attention"):
         Settings(attention="fast").check()
+
+
+def test_a_failing_compiler_or_temp_folder_is_unavailable_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    native.decode_attention.cache_clear()
+    try:
+        monkeypatch.setenv("CC", "false")  # found, fails every compile
+        with pytest.raises(native.NativeUnavailable, match="false failed"):
+            native.decode_attention(32, 2, 16)
+        monkeypatch.delenv("CC")
+        monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "missing"))
+        if any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")):
+            with pytest.raises(native.NativeUnavailable, match="could not be built or loaded"):
+                native.decode_attention(32, 2, 16)
+    finally:
+        native.decode_attention.cache_clear()
