@@ -51,7 +51,7 @@ def null_main(args: argparse.Namespace) -> None:
 
     from predictor.engine.async_engine import AsyncEngine
     from predictor.engine.kv_cache import BlockAllocator
-    from predictor.engine.null_runner import NullRunner
+    from predictor.engine.runners.null import NullRunner
     from predictor.engine.scheduler import Scheduler
     from predictor.engine.step_loop import StepLoop
     from predictor.types import GenerateRequest, SamplingParams
@@ -111,9 +111,9 @@ def main() -> None:
 
     from predictor.__main__ import build_engine
     from predictor.engine.async_engine import AsyncEngine
-    from predictor.metrics import Metrics
+    from predictor.observability.metrics import Metrics
     from predictor.model.loader import load_checkpoint
-    from predictor.settings import Settings
+    from predictor.config import Settings
     from predictor.types import GenerateRequest, SamplingParams
 
     # As the server does: one torch thread on the main thread; parallel torch work only on the

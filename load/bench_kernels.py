@@ -104,7 +104,7 @@ class Rows:
     def __init__(self, model: Any, batch: int, context: int, seed: int = 0) -> None:
         import torch
 
-        from predictor.engine.runner import ModelRunner, StepRow
+        from predictor.engine.runners.model import ModelRunner, StepRow
 
         self.block = 16
         per_row = (context + 1 + self.block - 1) // self.block
@@ -138,7 +138,7 @@ def rss_child(args: argparse.Namespace) -> None:
     import torch
     import transformers  # noqa: F401
 
-    import predictor.engine.runner  # noqa: F401  (imports counted in the baseline)
+    import predictor.engine.runners.model  # noqa: F401  (imports counted in the baseline)
 
     torch.set_num_threads(1)
     read_tokens(args.model_dir)

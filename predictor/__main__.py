@@ -16,15 +16,15 @@ from prometheus_client import REGISTRY
 
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
-from predictor.engine.null_runner import NullRunner
-from predictor.engine.runner import ModelRunner, UnsupportedModel
+from predictor.engine.runners.null import NullRunner
+from predictor.engine.runners.model import ModelRunner, UnsupportedModel
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import Runner, StepLoop
 from predictor.errors import CheckpointError
-from predictor.metrics import Metrics
+from predictor.observability.metrics import Metrics
 from predictor.model.layout import resolve_checkpoint_dir
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only
-from predictor.settings import Settings
+from predictor.config import Settings
 
 log = logging.getLogger("predictor")
 
@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
 
-    from predictor.kserve_model import LLMPredictor
-    from predictor.server.app import PredictorServer
+    from predictor.serving.model import LLMPredictor
+    from predictor.serving.app import PredictorServer
 
     name = settings.model_name or model_dir.absolute().name
     metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)

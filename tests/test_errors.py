@@ -9,9 +9,9 @@ import pytest
 from grpc_interceptor.exceptions import GrpcException
 
 from predictor import errors
-from predictor.kserve_model import to_kserve_error
-from predictor.server.openai import error_parts
-from predictor.server.rest import error_response
+from predictor.serving.model import to_kserve_error
+from predictor.serving.rest.completions import error_parts
+from predictor.serving.rest.oip import error_response
 
 CASES = [
     (errors.InvalidRequest("bad"), 400, grpc.StatusCode.INVALID_ARGUMENT),

@@ -21,7 +21,7 @@ import torch
 
 from predictor.engine.batch import Batch, Sequence
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
-from predictor.engine.runner import StepRow
+from predictor.engine.runners.model import StepRow
 from predictor.engine.sampling import make_generator, sample
 from predictor.engine.scheduler import Scheduler
 from predictor.types import FinishReason, TokenLogprob, TopLogprob

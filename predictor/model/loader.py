@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from predictor.errors import CheckpointError
-from predictor.settings import KERNELS
+from predictor.config import KERNELS
 
 log = logging.getLogger(__name__)
 

@@ -333,7 +333,7 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
     """Hygiene of the effective pod: the real CLI accepts it, readiness is the model's route,
     a read-only root with emptyDirs where it writes, drain and grace that let a stream finish,
     memory that fits the measured RSS."""
-    from predictor.settings import Settings
+    from predictor.config import Settings
 
     errors: list[str] = []
     env = {e["name"]: e.get("value", "") for e in container.get("env") or []}

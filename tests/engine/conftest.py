@@ -13,7 +13,7 @@ import torch
 from predictor.engine.batch import Sequence
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.kv_cache import BlockAllocator
-from predictor.engine.runner import ModelRunner
+from predictor.engine.runners.model import ModelRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
 from predictor.model.loader import LoadedModel, load_checkpoint

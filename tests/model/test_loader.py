@@ -10,10 +10,10 @@ import httpx
 import pytest
 import torch
 
-from predictor.engine.runner import ModelRunner, StepRow
+from predictor.engine.runners.model import ModelRunner, StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
-from predictor.settings import KERNELS, Settings
+from predictor.config import KERNELS, Settings
 from tests.support import REPO, ServerProcess
 
 

@@ -1,0 +1,191 @@
+"""Settings: read once, at the edge, from CLI flags and PREDICTOR_* environment variables.
+
+This is the only module that looks at argv or the environment; everything else receives a
+`Settings` (or the few values it needs) as arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from predictor.engine.runners.native import CHOICES as ATTENTION
+
+DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
+# GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
+# its backend names) and the weights dequantized at load into plain Linear layers. Not offered:
+# gptq_torch_fused (gptqmodel 7.6.0), whose logits on an asymmetric checkpoint (the default
+# recipe) are off by up to 33 against TorchAtenLinear and the dequantized weights (checked here)
+KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_int8", "dequantized")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model_dir: Path = DEFAULT_MODEL_DIR
+    model_name: str = ""  # empty: the model folder's name
+    host: str = "127.0.0.1"
+    http_port: int = 8080
+    grpc_port: int = 8081
+    enable_grpc: bool = True
+    threads: int = 0  # 0: every core this process may use
+    device: str = "auto"  # auto | cpu | cuda
+    runner: str = "model"  # model | null (no forward pass: benchmarks the serving stack)
+    # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
+    # there at batch 16 (load/RESULTS.md, "CPU GPTQ kernels"), the GPU kernels on a GPU
+    kernel: str = "auto"
+    attention: str = "auto"  # decode attention: auto | native (engine/native.py) | torch
+    max_tokens_limit: int = 512  # cap on a request's max_tokens
+    default_max_tokens: int = 64
+    max_batch_size: int = 16  # rows in the running batch
+    max_cache_tokens: int = 32768  # KV-cache size in tokens (each row reserves prompt + max_tokens)
+    kv_block_size: int = 16  # tokens per KV-cache block
+    max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
+    # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
+    # refused client learns at once instead of waiting minutes behind a deep queue
+    max_waiting: int = 64
+    max_prompt_tokens: int = 0  # 0: the model's context length minus max_tokens_limit
+    request_timeout: float = 0.0  # seconds a request may run (0: no server default)
+    drain_seconds: int = 30  # on SIGTERM: how long requests in flight may take to finish
+    max_prompts: int = 16  # prompts in one request (V2 text_input [N], OpenAI n x prompts)
+    max_body_bytes: int = 8 * 1024 * 1024  # REST body and gRPC message size (413 past it)
+    max_json_depth: int = 32  # nesting of a JSON body
+    max_stream_requests: int = 64  # requests in progress on one ModelStreamInfer stream
+    stream_queue_size: int = 256  # responses buffered per ModelStreamInfer stream
+    model_control: bool = False  # allow repository load/unload (Triton's explicit mode)
+    stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
+    vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
+    hf_home: Path = Path.home() / ".cache" / "huggingface"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_dir.absolute().name
+
+    @property
+    def torch_threads(self) -> int:
+        if self.threads > 0:
+            return self.threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+
+    @classmethod
+    def from_sources(cls, argv: Sequence[str], env: Mapping[str, str]) -> Settings:
+        """Parse CLI flags; each flag's default comes from PREDICTOR_<NAME> or the field default."""
+        parser = build_parser(env)
+        ns = parser.parse_args(list(argv))
+        values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        settings = cls(**values)
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if self.default_max_tokens < 1 or self.max_tokens_limit < 1:
+            raise ValueError("max token settings must be at least 1")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("--default-max-tokens must not exceed --max-tokens-limit")
+        if self.max_batch_size < 1 or self.max_waiting < 0:
+            raise ValueError("--max-batch-size must be >= 1 and --max-waiting >= 0")
+        if self.kv_block_size < 1 or self.max_cache_tokens < self.kv_block_size:
+            raise ValueError(
+                "--kv-block-size must be >= 1 and --max-cache-tokens at least one block"
+            )
+        if self.max_step_tokens <= self.max_batch_size:
+            raise ValueError("--max-step-tokens must exceed --max-batch-size (room for prefill)")
+        if self.runner not in ("model", "null"):
+            raise ValueError(f"--runner must be model or null, got {self.runner!r}")
+        limits = (self.max_prompts, self.max_body_bytes, self.max_json_depth,
+                  self.max_stream_requests, self.stream_queue_size)  # fmt: skip
+        if min(limits) < 1 or self.stall_seconds <= 0:
+            raise ValueError(
+                "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds > 0"
+            )
+        if self.attention not in ATTENTION:
+            raise ValueError(
+                f"--attention must be one of {', '.join(ATTENTION)}, not {self.attention!r}"
+            )
+        if self.kernel not in KERNELS:
+            raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
+        if self.request_timeout < 0 or self.drain_seconds < 0:
+            raise ValueError("--request-timeout and --drain-seconds must not be negative")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+_HELP = {
+    "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models)",
+    "model_name": "name served under /v2/models/{name} (default: the folder's name)",
+    "host": "address to listen on (the container passes 0.0.0.0)",
+    "http_port": "REST port",
+    "grpc_port": "gRPC port",
+    "enable_grpc": "serve gRPC",
+    "threads": "torch CPU threads (0: all cores available to the process)",
+    "device": "auto, cpu or cuda",
+    "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
+    "(measures everything around the model; benchmarks only)",
+    "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice), a gptqmodel backend "
+    f"({', '.join(KERNELS[1:-1])}) or dequantized (expanded once at load into plain Linear "
+    "layers of the model's dtype: the same numbers, 4x the weight memory)",
+    "attention": "how decode rows attend on a CPU: native (a C kernel compiled at start with "
+    "$CC or cc/gcc/g++/clang, reading the paged cache in place; bf16 models), torch (gather + "
+    "batched matmuls), or auto: native where it compiles",
+    "max_tokens_limit": "largest max_tokens a request may ask for",
+    "default_max_tokens": "max_tokens when a request gives none",
+    "max_batch_size": "most requests decoded together",
+    "max_cache_tokens": "KV-cache size in tokens; a request reserves prompt + max_tokens of it",
+    "kv_block_size": "tokens per KV-cache block",
+    "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
+    "a long prompt's prefill may pause the running streams",
+    "max_waiting": "most requests waiting for a batch row; more are refused",
+    "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
+    "request_timeout": "seconds a request may run before it ends with finish reason timeout "
+    "(0: none; a request's own `timeout` parameter may set one)",
+    "drain_seconds": "on SIGTERM, seconds for requests in flight to finish before exit",
+    "max_prompts": "most prompts in one request (V2 text_input [N]; OpenAI n x prompts); "
+    "more is a 400",
+    "max_body_bytes": "largest REST body (413 past it) and gRPC message (RESOURCE_EXHAUSTED)",
+    "max_json_depth": "deepest nesting of a JSON body (400 past it)",
+    "max_stream_requests": "requests in progress on one ModelStreamInfer stream; more get "
+    "error_message RESOURCE_EXHAUSTED",
+    "stream_queue_size": "responses buffered per ModelStreamInfer stream for a slow reader",
+    "model_control": "allow POST /v2/repository/models/{m}/load|unload and their gRPC twins "
+    "(off: 403 / PERMISSION_DENIED, as Triton's --model-control-mode none)",
+    "stall_seconds": "liveness fails when requests are running and no engine step has ended "
+    "for this long (a hung kernel), or the step thread died",
+    "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
+    "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
+    "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
+}
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m predictor",
+        description="Serve a GPTQ model over KServe's V2 REST and gRPC protocols.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    defaults = Settings()
+    for f in fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        env_name = "PREDICTOR_" + f.name.upper()
+        default = getattr(defaults, f.name)
+        kind = type(default)
+        convert = _bool if kind is bool else kind
+        if env_name in env:
+            default = convert(env[env_name])
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=convert,
+            default=default,
+            choices={"kernel": KERNELS, "attention": ATTENTION}.get(f.name),
+            help=f"{_HELP[f.name]} [env {env_name}]",
+        )
+    return parser

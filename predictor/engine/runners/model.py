@@ -1,0 +1,369 @@
+"""Forward passes over a paged KV cache: every row's new tokens in one flat batch.
+
+One step feeds each decode row its last token and each prefilling row the next chunk of its
+prompt, all as one flat sequence of N tokens, so the linear layers (the GPTQ kernels) run once
+per layer over all N. Only attention is per row: each row's keys and values live in the blocks
+of its block table in one preallocated pool per layer, new ones are written in place (O(new
+tokens) per step), and attention reads a row's own positions only.
+
+The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
+Linear replacement works; attention and the cache are ours. Llama-family decoders only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from predictor.engine.runners.int4_linear import dense_linear, fuse_layer
+from predictor.engine.runners.native import CHOICES as ATTENTION
+from predictor.engine.runners.native import DecodeAttention, NativeUnavailable, decode_attention
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+
+
+@dataclass
+class StepRow:
+    """One row's part of a forward pass."""
+
+    blocks: Sequence[int]  # the row's block table, covering positions [0, start + len(tokens))
+    start: int  # position of tokens[0]: how many of the row's tokens the cache already holds
+    tokens: Sequence[int]  # fed this step: 1 for a decode row, a prompt chunk for a prefill row
+    logits: bool  # whether the step must return logits for the last of `tokens`
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int = 16,
+        threads: int = 0,
+        attention: str = "auto",
+    ) -> None:
+        """`attention`: how decode rows attend. "native": the C kernel of engine/native.py,
+        reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
+        "auto": native where it applies and compiles, else torch."""
+        model_type = getattr(model.config, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(
+                f"model type {model_type!r} is not supported (supported: "
+                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+            )
+        self.model = model
+        self.device = device
+        self.threads = threads
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        decoder = model.model
+        self._embed = decoder.embed_tokens
+        self._layers = list(decoder.layers)
+        self._norm = decoder.norm
+        self._rotary = decoder.rotary_emb
+        self._lm_head = model.lm_head
+        config = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.scale = float(self._layers[0].self_attn.scaling)
+        # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
+        self._fused = [fuse_layer(layer) for layer in self._layers]
+        self._norms = [
+            (_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm))
+            for layer in self._layers
+        ]
+        self._final_norm = _rms_norm(decoder.norm)
+        self._head = dense_linear(self._lm_head)
+        dtype = self._embed.weight.dtype
+        slots = num_blocks * block_size
+        # per layer: keys then values of every token slot, plus one zero slot that padding
+        # reads (masked keys must still be finite: 0 * NaN is NaN), [2 * kv_heads, slots + 1,
+        # head_dim]: one write and one gather a layer serve both, and a gathered row's keys
+        # come out [kv_heads, tokens, head_dim], the layout attention multiplies without a copy;
+        # empty, so pages are touched (and count in RSS) only as the cache fills
+        self._pools = [
+            torch.empty((2 * self.kv_heads, slots + 1, self.head_dim), dtype=dtype, device=device)
+            for _ in self._layers
+        ]
+        for pool in self._pools:
+            pool[:, slots].zero_()
+        self._pad_slot = slots
+        self._native = self._native_attention(attention, dtype)
+
+    def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+        if attention == "torch":
+            return None
+        if self.device.type != "cpu" or dtype != torch.bfloat16:
+            if attention == "native":
+                raise ValueError("native attention needs a bf16 model on the CPU")
+            return None
+        try:
+            return decode_attention(self.head_dim, self.heads // self.kv_heads, self.block_size)
+        except NativeUnavailable as error:
+            if attention == "native":
+                raise
+            logger.warning("native decode attention unavailable, using torch's: %s", error)
+            return None
+
+    def bind_thread(self) -> None:
+        """Called first on the thread that will run the forward passes.
+
+        torch's CPU thread count is per calling thread. Measured here: once the main thread has
+        run parallel torch work, another thread's 2-thread matmuls run no faster than 1 thread;
+        so the server loads with 1 thread on the main thread and parallelises only here.
+        """
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._pools)
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """Run one step; logits [number of rows with `logits`, V] (float32), in row order.
+
+        Every op here runs once per layer for the whole step (30 layers x 16 rows: a few
+        microseconds of dispatch per op add up to milliseconds), so a layer is written as few
+        tensor ops as it can be: one rotary pass over q, k and v together, one cache write, and
+        decode attention as one native call (or one gather and a few batched matmuls)."""
+        plan = _Plan.build(
+            rows,
+            self.block_size,
+            self._pad_slot,
+            self.device,
+            self._native is not None,
+            self.heads // self.kv_heads,
+        )
+        ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
+        hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
+        rope = self._rope(hidden, plan.positions)
+        for index, layer in enumerate(self._layers):
+            before_attention, before_mlp = self._norms[index]
+            hidden = hidden + self._attention(
+                index, layer.self_attn, before_attention(hidden), rope, plan
+            )
+            hidden = hidden + self._mlp(index, layer.mlp, before_mlp(hidden))
+        if len(plan.logit_rows) != hidden.shape[0]:
+            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+            hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        return self._head(self._final_norm(hidden)).float()  # [R, V]
+
+    def _rope(
+        self, hidden: torch.Tensor, positions: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables [N, heads + 2 kv_heads, head_dim] that rotate q and k and leave v
+        as it is (cos 1, sin 0), sin's first half negated, for `_attention`'s single pass."""
+        at = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        half, rotated = self.head_dim // 2, self.heads + self.kv_heads
+        shape = (hidden.shape[0], rotated + self.kv_heads, self.head_dim)
+        cos_all = torch.ones(shape, dtype=cos.dtype, device=self.device)
+        sin_all = torch.zeros(shape, dtype=sin.dtype, device=self.device)
+        cos_all[:, :rotated] = cos
+        sin_all[:, :rotated, :half] = -sin[..., :half]
+        sin_all[:, :rotated, half:] = sin[..., half:]
+        return cos_all, sin_all
+
+    def _attention(
+        self,
+        index: int,
+        attn: Any,
+        hidden: torch.Tensor,  # [N, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        plan: _Plan,
+    ) -> torch.Tensor:
+        n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
+        fused = self._fused[index]
+        if fused is not None:
+            qkv = fused.qkv(hidden)
+        else:
+            qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
+        # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
+        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
+        qkv = qkv.view(n, heads + 2 * kv_heads, dim)
+        cos, sin = rope
+        swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
+        qkv = qkv * cos + swapped * sin
+        pool = self._pools[index]
+        pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
+        out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
+        if plan.decode_rows and self._native is not None:
+            tables, lengths, scratch = plan.native_args
+            self._native(
+                qkv.data_ptr(),
+                qkv.stride(0),
+                pool.data_ptr(),
+                pool.shape[1],
+                tables.data_ptr(),
+                tables.shape[1],
+                lengths.data_ptr(),
+                plan.decode_rows,
+                kv_heads,
+                self.scale,
+                out.data_ptr(),
+                scratch.data_ptr(),
+            )
+        elif plan.decode_rows:
+            # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
+            # slower here), the query heads grouped by the kv head they share (GQA), kv heads
+            # leading so the gathered keys and values are multiplied where they lie
+            d, group = plan.decode_rows, heads // kv_heads
+            longest = plan.decode_slots.shape[1]
+            kv = pool.index_select(1, plan.decode_slots.view(-1))  # [2 kvh, d L, dim]
+            kv = kv.view(2, kv_heads, d, longest, dim)
+            query = qkv[:d, :heads].reshape(d, kv_heads, group, dim).transpose(0, 1)
+            scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, d, G, L]
+            # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
+            probs = torch.softmax(torch.add(plan.decode_bias, scores, alpha=self.scale), -1)
+            attended = torch.matmul(probs.to(kv.dtype), kv[1])  # [kv_heads, d, G, dim]
+            out[:d] = attended.transpose(0, 1).reshape(d, heads * dim)
+        for first, count, slots, mask in plan.prefills:
+            query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
+            kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
+            attended = F.scaled_dot_product_attention(
+                query,
+                kv[:, :kv_heads],
+                kv[:, kv_heads:],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scale,
+                enable_gqa=heads != kv_heads,
+            )
+            out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
+        return fused.o(out) if fused is not None else attn.o_proj(out)
+
+    def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
+        fused = self._fused[index]
+        if fused is None:
+            return mlp(hidden)
+        gate, up = fused.gate_up.split(fused.gate_up(hidden))
+        return fused.down(mlp.act_fn(gate) * up)
+
+
+def _rms_norm(module: Any) -> Any:
+    """transformers' Llama RMSNorm as one `torch.rms_norm` call (the same numbers in fp32,
+    measured; in bf16 rounded once instead of twice), or the module itself if it is another."""
+    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
+    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None:
+        return module
+    shape = (int(weight.shape[0]),)
+    return lambda x: torch.rms_norm(x, shape, weight, float(eps))
+
+
+@dataclass
+class _Plan:
+    """Index tensors of one step, built once and shared by every layer."""
+
+    ids: list[int]
+    positions: list[int]
+    write_slots: torch.Tensor  # [N]: the cache slot of every fed token
+    decode_rows: int  # the first decode_rows rows feed one token each
+    decode_slots: torch.Tensor  # [d, L]: each decode row's slots for positions 0..L-1
+    decode_bias: torch.Tensor  # [d, 1, L] float32: 0 where a key exists, -inf past the row's end
+    # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
+    prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
+    logit_rows: list[int]  # flat index of the last token of each row that wants logits
+    # for the native kernel instead of decode_slots and decode_bias: block tables [d, widest]
+    # and lengths [d] (int64), scratch [group * longest] (float32)
+    native_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def build(
+        cls,
+        rows: Sequence[StepRow],
+        block_size: int,
+        pad_slot: int,
+        device: torch.device,
+        native: bool = False,
+        group: int = 1,
+    ) -> _Plan:
+        ids: list[int] = []
+        positions: list[int] = []
+        writes: list[int] = []
+        logit_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lengths: list[int] = []
+        prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
+        decode_rows = 0
+        for row in rows:
+            count, end = len(row.tokens), row.start + len(row.tokens)
+            first = len(ids)
+            ids.extend(row.tokens)
+            positions.extend(range(row.start, end))
+            writes.extend(_slots(row.blocks, row.start, end, block_size))
+            if row.logits:
+                logit_rows.append(first + count - 1)
+            if count == 1 and row.start > 0 and not prefills:
+                decode_rows += 1
+                decode_tables.append(list(row.blocks))
+                decode_lengths.append(end)
+                continue
+            slots = torch.tensor(_slots(row.blocks, 0, end, block_size), device=device)
+            mask = None
+            if row.start:  # query i (position start + i) sees keys 0..start + i
+                keys_at = torch.arange(end, device=device)
+                queries_at = torch.arange(row.start, end, device=device).unsqueeze(1)
+                mask = (keys_at <= queries_at).view(1, 1, count, end)
+            prefills.append((first, count, slots, mask))
+        decode_slots = torch.empty(0, dtype=torch.long)
+        decode_bias = torch.empty(0)
+        native_args = (decode_slots, decode_slots, decode_bias)
+        if decode_rows:
+            longest = max(decode_lengths)
+            widest = max(len(t) for t in decode_tables)
+            tables = torch.tensor(
+                [t + [0] * (widest - len(t)) for t in decode_tables], device=device
+            )  # [d, widest]; padding blocks are masked out below
+        if decode_rows and native:
+            # the kernel reads blocks by these numbers: they must lie in the pool
+            if (
+                min(min(t) for t in decode_tables) < 0
+                or max(max(t) for t in decode_tables) >= pad_slot // block_size
+            ):
+                raise ValueError("a block table names a block outside the cache")
+            lengths = torch.tensor(decode_lengths, dtype=torch.long)
+            native_args = (tables, lengths, torch.empty(group * longest))
+        elif decode_rows:
+            offsets = torch.arange(block_size, device=device).repeat(widest)
+            decode_slots = (tables * block_size).repeat_interleave(block_size, dim=1) + offsets
+            decode_slots = decode_slots[:, :longest].contiguous()  # [d, longest]
+            decode_bias = torch.zeros((decode_rows, 1, longest), device=device)
+            if min(decode_lengths) < longest:
+                lengths = torch.tensor(decode_lengths, device=device).unsqueeze(1)
+                missing = torch.arange(longest, device=device) >= lengths  # [d, longest]
+                decode_slots = decode_slots.masked_fill(missing, pad_slot)
+                decode_bias = decode_bias.masked_fill(missing.unsqueeze(1), -torch.inf)
+        return cls(
+            ids,
+            positions,
+            torch.tensor(writes, dtype=torch.long, device=device),
+            decode_rows,
+            decode_slots,
+            decode_bias,
+            prefills,
+            logit_rows,
+            native_args,
+        )
+
+
+def _slots(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """Cache slots of positions [start, end) of a row with this block table."""
+    return [blocks[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

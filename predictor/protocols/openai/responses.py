@@ -1,0 +1,257 @@
+"""Our types -> OpenAI completions, chat completions, stream chunks, models lists and errors.
+
+Every body is built with the `openai` package's own pydantic types, so its shape follows the
+SDK's. Fields we set are sent, even when null (as OpenAI sends `finish_reason: null` in a
+chunk); fields we leave alone are left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from openai.types import Completion as CompletionBody
+from openai.types import CompletionChoice, CompletionUsage, Model
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionTokenLogprob,
+)
+from openai.types.chat import chat_completion as chat
+from openai.types.chat import chat_completion_chunk as chunk
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_choice import Logprobs
+from openai.types.shared import ErrorObject
+from pydantic import BaseModel
+
+from predictor.protocols.openai.requests import OpenAIRequest
+from predictor.types import Completion, FinishReason, TokenEvent, TokenLogprob, Usage
+from predictor.types import TopLogprob as OurTopLogprob
+
+OWNER = "gptq-predictor"
+
+FinishName = Literal["stop", "length"]
+
+
+def finish_name(reason: FinishReason) -> FinishName:
+    """End of sequence and stop strings are `stop`; a token cap or a deadline is `length`."""
+    return "length" if reason in (FinishReason.LENGTH, FinishReason.TIMEOUT) else "stop"
+
+
+def dump(body: BaseModel) -> str:
+    return body.model_dump_json(exclude_unset=True)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """`{"error": {"message", "type", "param", "code"}}`."""
+    error = ErrorObject(message=message, type=kind, param=param, code=code)
+    return {"error": error.model_dump(include={"message", "type", "param", "code"})}
+
+
+def models_list(names: Sequence[str], served: Sequence[str], created: int) -> dict[str, Any]:
+    """OpenAI's model list (`object`, `data`) and, in the same body, KServe V1's `models`."""
+    data = [Model(id=name, created=created, object="model", owned_by=OWNER) for name in served]
+    return {
+        "object": "list",
+        "data": [m.model_dump(exclude_unset=True) for m in data],
+        "models": list(names),
+    }
+
+
+def _usage(request: OpenAIRequest, usages: Sequence[Usage]) -> CompletionUsage:
+    """Each prompt counted once, every choice's tokens counted."""
+    prompt = sum(u.prompt_tokens for i, u in enumerate(usages) if i % request.n == 0)
+    completion = sum(u.generated_tokens for u in usages)
+    return CompletionUsage(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    )
+
+
+# -- logprobs ---------------------------------------------------------------------------------
+
+
+def _top_k(request: OpenAIRequest) -> int:
+    return request.choices[0].params.logprobs or 0
+
+
+def _text(request: OpenAIRequest, token: TokenLogprob | OurTopLogprob) -> str:
+    return f"token_id:{token.token_id}" if request.token_ids else token.token
+
+
+def completion_logprobs(
+    request: OpenAIRequest, tokens: Sequence[TokenLogprob], offset: int = 0
+) -> Logprobs:
+    """The legacy shape: parallel lists; text_offset counts characters of the generated text."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.token)
+    top = (
+        [{_text(request, x): x.logprob for x in t.top} for t in tokens] if _top_k(request) else None
+    )
+    return Logprobs(
+        tokens=[_text(request, t) for t in tokens],
+        token_logprobs=[t.logprob for t in tokens],
+        top_logprobs=top,
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(
+    request: OpenAIRequest, tokens: Sequence[TokenLogprob]
+) -> list[ChatCompletionTokenLogprob]:
+    return [
+        ChatCompletionTokenLogprob(
+            token=_text(request, t),
+            bytes=list(t.token.encode()),
+            logprob=t.logprob,
+            top_logprobs=[
+                TopLogprob(token=_text(request, x), bytes=list(x.token.encode()), logprob=x.logprob)
+                for x in t.top
+            ],
+        )
+        for t in tokens
+    ]
+
+
+# -- unary ------------------------------------------------------------------------------------
+
+
+def completion_response(request: OpenAIRequest, results: Sequence[Completion]) -> str:
+    choices = [
+        CompletionChoice(
+            index=i,
+            text=c.text,
+            finish_reason=finish_name(c.finish_reason),
+            logprobs=completion_logprobs(request, c.logprobs) if request.logprobs else None,
+        )
+        for i, c in enumerate(results)
+    ]
+    body = CompletionBody(
+        id=request.id,
+        object="text_completion",
+        created=request.created,
+        model=request.model,
+        choices=choices,
+        usage=_usage(request, [c.usage for c in results]),
+    )
+    return dump(body)
+
+
+def chat_response(request: OpenAIRequest, results: Sequence[Completion]) -> str:
+    choices = [
+        chat.Choice(
+            index=i,
+            message=ChatCompletionMessage(role="assistant", content=c.text),
+            finish_reason=finish_name(c.finish_reason),
+            logprobs=(
+                chat.ChoiceLogprobs(content=chat_logprobs(request, c.logprobs), refusal=None)
+                if request.logprobs
+                else None
+            ),
+        )
+        for i, c in enumerate(results)
+    ]
+    body = ChatCompletion(
+        id=request.id,
+        object="chat.completion",
+        created=request.created,
+        model=request.model,
+        choices=choices,
+        usage=_usage(request, [c.usage for c in results]),
+    )
+    return dump(body)
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+
+class ChunkEncoder:
+    """One request's stream: its chunks as JSON text, event by event, choice by choice.
+
+    Text held back by the detokenizer (a possible stop string) arrives later; the logprobs of
+    its tokens wait for it and go out with the next chunk that carries text or the finish.
+    """
+
+    def __init__(self, request: OpenAIRequest) -> None:
+        self.request = request
+        count = len(request.choices)
+        self._pending: list[list[TokenLogprob]] = [[] for _ in range(count)]
+        self._offsets = [0] * count
+        self._usages: list[Usage | None] = [None] * count
+
+    def opening(self) -> list[str]:
+        """Chat streams open with one chunk per choice that carries the assistant role."""
+        if self.request.kind != "chat":
+            return []
+        role = chunk.ChoiceDelta(role="assistant", content="")
+        return [
+            self._chat_chunk(chunk.Choice(index=i, delta=role, finish_reason=None))
+            for i in range(len(self.request.choices))
+        ]
+
+    def event(self, index: int, event: TokenEvent) -> str | None:
+        """The chunk for one event of choice `index`, or None when it carries nothing yet."""
+        self._pending[index].extend(event.logprobs)
+        if not event.text and not event.final:
+            return None
+        tokens, self._pending[index] = self._pending[index], []
+        finish = finish_name(event.finish_reason) if event.finish_reason is not None else None
+        if event.usage is not None:
+            self._usages[index] = event.usage
+        if self.request.kind == "chat":
+            logprobs = (
+                chunk.ChoiceLogprobs(content=chat_logprobs(self.request, tokens), refusal=None)
+                if self.request.logprobs
+                else None
+            )
+            delta = chunk.ChoiceDelta(content=event.text) if event.text else chunk.ChoiceDelta()
+            return self._chat_chunk(
+                chunk.Choice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+            )
+        logprobs_body = None
+        if self.request.logprobs:
+            logprobs_body = completion_logprobs(self.request, tokens, self._offsets[index])
+            self._offsets[index] += sum(len(t.token) for t in tokens)
+        # OpenAI streams `finish_reason: null` until the end; the SDK's type allows only the
+        # final values, so the choice is built unvalidated (every field still set by name).
+        choice = CompletionChoice.model_construct(
+            index=index, text=event.text, finish_reason=finish, logprobs=logprobs_body
+        )
+        return dump(self._completion_chunk([choice]))
+
+    def closing(self) -> list[str]:
+        """The usage chunk (empty choices), when the request asked for it."""
+        if not self.request.include_usage:
+            return []
+        usage = _usage(self.request, [u or Usage(0, 0) for u in self._usages])
+        if self.request.kind == "chat":
+            return [self._chat_chunk(None, usage)]
+        return [dump(self._completion_chunk([], usage))]
+
+    def _chat_chunk(self, choice: chunk.Choice | None, usage: CompletionUsage | None = None) -> str:
+        body = ChatCompletionChunk(
+            id=self.request.id,
+            object="chat.completion.chunk",
+            created=self.request.created,
+            model=self.request.model,
+            choices=[] if choice is None else [choice],
+        )
+        if self.request.include_usage:
+            body.usage = usage  # null on every chunk but the last, as OpenAI sends it
+        return dump(body)
+
+    def _completion_chunk(
+        self, choices: list[CompletionChoice], usage: CompletionUsage | None = None
+    ) -> CompletionBody:
+        body = CompletionBody.model_construct(
+            id=self.request.id,
+            object="text_completion",
+            created=self.request.created,
+            model=self.request.model,
+            choices=choices,
+        )
+        if self.request.include_usage:
+            body.usage = usage
+        return body

@@ -1,0 +1,185 @@
+"""PredictorServer: KServe's ModelServer, bound to our host, with our REST and gRPC additions."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from fastapi.exceptions import RequestValidationError
+from kserve import ModelServer
+from kserve.model import BaseKServeModel
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from predictor.engine.client import EngineClient
+from predictor.errors import Forbidden, PredictorError
+from predictor.serving import internals
+from predictor.serving.rest import completions as openai
+from predictor.serving.rest.body import BodyGuard
+from predictor.serving.rpc.stream_infer import DecodeGuard, StatusInterceptor, stream_handler
+from predictor.serving.lifecycle import Drain, PredictorDataPlane
+from predictor.serving.rest.oip import ServedModel, build_router, error_response
+from predictor.serving.rest.triton_admin import build_triton_router
+from predictor.config import Settings
+
+log = logging.getLogger(__name__)
+
+GZIP_MINIMUM_BYTES = 500
+
+
+class DefaultJSONContentType:
+    """Treat an untyped POST body as JSON.
+
+    tritonclient.http posts JSON without a Content-Type and `curl -d` labels it
+    application/x-www-form-urlencoded; KServe reads both as the binary tensor extension and
+    refuses them. A body that uses the binary extension says so with its own header.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            headers = scope["headers"]
+            names = {name: value for name, value in headers}
+            untyped = names.get(b"content-type", b"application/x-www-form-urlencoded")
+            if (
+                untyped.startswith(b"application/x-www-form-urlencoded")
+                and b"inference-header-content-length" not in names
+            ):
+                kept = [(n, v) for n, v in headers if n != b"content-type"]
+                scope = dict(scope, headers=[*kept, (b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
+async def predictor_error_handler(request: Request, exc: Exception) -> Response:
+    """Our errors raised through KServe's own routes (V2 infer): 429 with Retry-After, etc."""
+    assert isinstance(exc, PredictorError)
+    return error_response(exc)
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> Response:
+    """FastAPI's body validation (KServe's /infer) as 422 with {"error": ...}, not {"detail"}."""
+    assert isinstance(exc, RequestValidationError)
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+        for e in exc.errors()[:3]
+    )
+    return JSONResponse({"error": f"invalid request body: {problems}"}, status_code=422)
+
+
+async def server_fault_handler(request: Request, exc: Exception) -> Response:
+    """Anything unexpected: 500 with a short message; the detail goes to the log only."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(exc)
+
+
+def forbidden(model_name: str) -> Exception:
+    return Forbidden(
+        f"loading and unloading models is disabled (model '{model_name}'); start the server "
+        "with --model-control true to allow it"
+    )
+
+
+class PredictorServer(ModelServer):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(
+            http_port=settings.http_port,
+            grpc_port=settings.grpc_port,
+            workers=1,  # one engine per process: scale with replicas, not workers
+            enable_grpc=settings.enable_grpc,
+            grace_period=settings.drain_seconds,
+        )
+        self.settings = settings
+        self.host = settings.host
+        self.dataplane = PredictorDataPlane(model_registry=self.registered_models)
+        internals.install_repository_extension(
+            self,
+            internals.GuardedRepositoryExtension(
+                self.registered_models, settings.model_control, forbidden
+            ),
+        )
+        self.drain = Drain(self.dataplane, self._engines, settings.drain_seconds, self._stop)
+
+    def _engines(self) -> list[EngineClient]:
+        return [m.llm for m in self.served_models()]
+
+    async def _stop(self, force: bool) -> None:
+        await internals.stop_servers(self, force)
+
+    def register_signal_handler(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self.drain.on_signal)
+
+    async def _serve(self) -> None:
+        self.drain.attach(asyncio.get_running_loop())
+        await asyncio.gather(*self.servers)
+
+    def served_model(self, name: str) -> ServedModel | None:
+        """The registered model of that name, if it is one of ours (it has an engine)."""
+        model = self.registered_models.get_model(name)
+        return model if isinstance(model, ServedModel) else None
+
+    def model_names(self) -> list[str]:
+        return list(self.registered_models.get_models())
+
+    def served_models(self) -> list[ServedModel]:
+        models = self.registered_models.get_models().values()
+        return [m for m in models if isinstance(m, ServedModel)]
+
+    def _build_grpc_server(self) -> internals.PredictorGRPCServer:
+        handler = stream_handler(
+            self.served_model,
+            self.served_models,
+            self.settings.max_stream_requests,
+            self.settings.stream_queue_size,
+        )
+        return internals.PredictorGRPCServer(
+            self.host,
+            [handler],
+            [DecodeGuard(), StatusInterceptor()],
+            self.settings.max_body_bytes,
+            self.grpc_port,
+            self.dataplane,
+            self.model_repository_extension,
+            kwargs={},
+            grace_period=self.grace_period,
+        )
+
+    def start(self, models: list[BaseKServeModel]) -> None:
+        settings = self.settings
+        handlers: list[tuple[type[Exception], internals.ExceptionHandler]] = [
+            (PredictorError, predictor_error_handler),
+            (RequestValidationError, validation_error_handler),
+            (Exception, server_fault_handler),
+        ]
+        internals.install_on_app(
+            middleware=[  # innermost first
+                (
+                    BodyGuard,
+                    {"max_bytes": settings.max_body_bytes, "max_depth": settings.max_json_depth},
+                ),
+                (DefaultJSONContentType, {}),
+                # Unary JSON is compressed for clients that accept it; Starlette never
+                # compresses text/event-stream, so streams are not held back.
+                (GZipMiddleware, {"minimum_size": GZIP_MINIMUM_BYTES}),
+            ],
+            routers=[
+                build_router(self.served_model),
+                # before KServe registers its own routes: ours answer GET /v1/models in both
+                openai.build_router(self.served_model, self.model_names),
+                build_triton_router(self.served_model, self.served_models),
+            ],
+            handlers=handlers,
+        )
+        internals.start_servers(
+            self,
+            models,
+            self.host,
+            handlers,
+            self._build_grpc_server if self.enable_grpc else None,
+            self.drain.on_signal,
+        )

@@ -1,0 +1,151 @@
+"""The native decode attention kernel: against an fp32 reference, in the runner, and without a
+compiler."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from predictor.engine.runners import native
+from predictor.engine.runners.model import ModelRunner, StepRow
+from predictor.config import Settings
+from tests.engine.test_runner import step_logits
+
+needs_compiler = pytest.mark.skipif(
+    not any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")),
+    reason="no C compiler on this machine: the torch path serves",
+)
+
+
+def reference(
+    query: torch.Tensor, pool: torch.Tensor, tables: list[list[int]], lengths: list[int]
+) -> torch.Tensor:
+    """Plain fp32 attention of each row's query heads over its own positions."""
+    heads, kv_heads, block = query.shape[1], pool.shape[0] // 2, 16
+    group = heads // kv_heads
+    out = []
+    for row, (table, length) in enumerate(zip(tables, lengths, strict=True)):
+        slots = torch.tensor([table[p // block] * block + p % block for p in range(length)])
+        kv = pool.float()[:, slots]  # [2 kvh, L, dim]
+        q = query[row].float().view(kv_heads, group, -1)
+        scores = q @ kv[:kv_heads].transpose(-1, -2) / q.shape[-1] ** 0.5  # [kvh, G, L]
+        out.append((scores.softmax(-1) @ kv[kv_heads:]).reshape(heads * q.shape[-1]))
+    return torch.stack(out)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (8, 8, 16)])
+def test_kernel_matches_fp32_attention_over_scattered_blocks(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    rng = random.Random(heads)
+    kernel = native.decode_attention(dim, heads // kv_heads, 16)
+    blocks = 64
+    pool = torch.randn(2 * kv_heads, blocks * 16 + 1, dim).to(torch.bfloat16)
+    lengths = [1, 15, 16, 17, 200, 33]  # block edges, one token, a long row
+    free = list(range(blocks))
+    rng.shuffle(free)  # each row's blocks scattered over the pool
+    tables = [[free.pop() for _ in range((n + 15) // 16)] for n in lengths]
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    # the queries as the runner holds them: q heads then k and v in one row
+    qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    out = torch.full((len(lengths), heads * dim), float("nan"), dtype=torch.bfloat16)
+    scratch = torch.empty((heads // kv_heads) * max(lengths))
+    row_lengths = torch.tensor(lengths)  # held: the kernel gets addresses only
+    kernel(
+        qkv.data_ptr(),
+        qkv.stride(0),
+        pool.data_ptr(),
+        pool.shape[1],
+        padded.data_ptr(),
+        width,
+        row_lengths.data_ptr(),
+        len(lengths),
+        kv_heads,
+        dim**-0.5,
+        out.data_ptr(),
+        scratch.data_ptr(),
+    )
+    expected = reference(
+        qkv[:, : heads * dim].view(len(lengths), heads, dim), pool, tables, lengths
+    )
+    assert torch.isfinite(out.float()).all()
+    # bf16 output: within one rounding of values of magnitude <= ~4
+    assert (out.float() - expected).abs().max() < 0.02
+
+
+@needs_compiler
+def test_runner_native_and_torch_attention_agree(tiny_gptq: Any) -> None:
+    model = tiny_gptq.model
+    fast = ModelRunner(model, torch.device("cpu"), 64, 16, attention="native")
+    plain = ModelRunner(model, torch.device("cpu"), 64, 16, attention="torch")
+    assert fast._native is not None and plain._native is None
+    rng = random.Random(9)
+    # rows of different lengths: decode steps where the torch path masks and the kernel stops
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 16, 17, 40)]
+    a, b = step_logits(fast, prompts, 8), step_logits(plain, prompts, 8)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x.argmax(dim=-1), y.argmax(dim=-1))
+        # the torch path rounds scores and probabilities to bf16, the kernel keeps fp32: logits
+        # of this random model reach ~50, where two bf16 steps are 0.5 (std ~5.7)
+        assert torch.allclose(x, y, atol=0.1 * float(y.std()))
+
+
+@needs_compiler
+def test_runner_refuses_a_block_outside_the_cache(tiny_gptq: Any) -> None:
+    runner = ModelRunner(tiny_gptq.model, torch.device("cpu"), 4, 16, attention="native")
+    runner.forward([StepRow([0], 0, [5, 6, 7], True)])
+    with pytest.raises(ValueError, match="outside the cache"):
+        runner.forward([StepRow([0, 4], 16, [8], True)])  # block 4 of 0..3
+
+
+def test_without_a_compiler_auto_falls_back_and_native_refuses(
+    tiny_gptq: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    native.decode_attention.cache_clear()
+    try:
+        with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+            native.decode_attention(32, 2, 16)
+        runner = ModelRunner(tiny_gptq.model, torch.device("cpu"), 64, 16)  # auto
+        assert runner._native is None
+        logits = runner.forward([StepRow([0], 0, [5, 6, 7], True)])
+        assert logits.shape[0] == 1 and torch.isfinite(logits).all()
+        with pytest.raises(native.NativeUnavailable):
+            ModelRunner(tiny_gptq.model, torch.device("cpu"), 64, 16, attention="native")
+    finally:
+        native.decode_attention.cache_clear()
+
+
+def test_native_needs_a_bf16_model(tiny_dense: Any) -> None:
+    with pytest.raises(ValueError, match="bf16"):
+        ModelRunner(tiny_dense.model, torch.device("cpu"), 64, 16, attention="native")
+    assert ModelRunner(tiny_dense.model, torch.device("cpu"), 64, 16)._native is None  # fp32
+
+
+def test_attention_setting_is_validated() -> None:
+    Settings(attention="torch").check()
+    with pytest.raises(ValueError, match="--attention"):
+        Settings(attention="fast").check()
+
+
+def test_a_failing_compiler_or_temp_folder_is_unavailable_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    native.decode_attention.cache_clear()
+    try:
+        monkeypatch.setenv("CC", "false")  # found, fails every compile
+        with pytest.raises(native.NativeUnavailable, match="false failed"):
+            native.decode_attention(32, 2, 16)
+        monkeypatch.delenv("CC")
+        monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "missing"))
+        if any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")):
+            with pytest.raises(native.NativeUnavailable, match="could not be built or loaded"):
+                native.decode_attention(32, 2, 16)
+    finally:
+        native.decode_attention.cache_clear()

@@ -1,0 +1,159 @@
+"""OpenAI request bodies -> engine requests: every field mapped, every refusal naming its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from predictor.protocols.openai.requests import (
+    CHAT_SCHEMA,
+    COMPLETION_SCHEMA,
+    InvalidField,
+    decode_chat,
+    decode_completion,
+)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_completion_fields_reach_the_sampling_params() -> None:
+    body = {
+        "model": "m", "prompt": ["a", "b"], "n": 2, "max_tokens": 9, "temperature": 0.5,
+        "top_p": 0.9, "stop": "\n", "seed": 7, "logprobs": 3, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "user": "u", "top_k": 5, "ignore_eos": True, "min_tokens": 2,
+        "best_of": 2, "echo": False, "logit_bias": {}, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    request = decode_completion(body, default_max_tokens=16)
+    assert request.kind == "completion" and request.id.startswith("cmpl-")
+    assert request.n == 2 and request.stream and request.include_usage and request.logprobs
+    assert [r.prompt for r in request.choices] == ["a", "a", "b", "b"]
+    assert len({r.request_id for r in request.choices}) == 4
+    assert [r.params.seed for r in request.choices] == [7, 8, 7, 8]  # choice j: seed + j
+    p = request.choices[0].params
+    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop) == (9, 0.5, 0.9, 5, ("\n",))
+    assert (p.presence_penalty, p.frequency_penalty, p.logprobs) == (0.5, -0.5, 3)
+    assert p.ignore_eos and p.min_tokens == 2
+    assert not request.choices[0].chat and request.choices[0].messages is None
+
+
+def test_defaults_follow_openai() -> None:
+    request = decode_completion({"model": "m", "prompt": "x", "top_k": -1}, default_max_tokens=16)
+    (choice,) = request.choices
+    assert choice.params.temperature == 1.0 and choice.params.max_tokens == 16
+    assert choice.params.top_k == 0 and choice.params.logprobs is None and not request.stream
+
+
+def test_chat_messages_and_logprobs() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}],
+        },
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    body = {"model": "m", "messages": messages, "max_completion_tokens": 5, "logprobs": True,
+            "top_logprobs": 2, "n": 1, "temperature": 0}  # fmt: skip
+    request = decode_chat(body, 16)
+    (choice,) = request.choices
+    assert request.kind == "chat" and request.id.startswith("chatcmpl-")
+    assert choice.messages is not None and choice.messages[1] == {
+        "role": "user",
+        "content": "Hi\nthere",
+    }
+    assert [m["role"] for m in choice.messages] == ["system", "user", "assistant", "user"]
+    assert choice.params.max_tokens == 5 and choice.params.logprobs == 2 and choice.params.greedy
+
+
+def test_a_lone_user_message_also_takes_the_engines_chat_path() -> None:
+    (choice,) = decode_chat(CHAT, 16).choices
+    assert choice.chat and choice.prompt == "Hi"
+    assert choice.messages == ({"role": "user", "content": "Hi"},)
+
+
+def test_chat_logprobs_without_top() -> None:
+    (choice,) = decode_chat(CHAT | {"logprobs": True}, 16).choices
+    assert choice.params.logprobs == 0
+    (choice,) = decode_chat(CHAT | {"logprobs": False}, 16).choices
+    assert choice.params.logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_tokens"),
+        ({"min_tokens": 100, "max_tokens": 4}, "min_tokens"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"stop": ""}, "stop"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+        ),
+        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"model": 5}, "model"),
+        ({"audio": {"voice": "x"}}, "audio"),
+    ],
+)
+def test_chat_refusals_name_the_field(change: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidField) as info:
+        decode_chat(CHAT | change, 16)
+    assert info.value.param == param and param.split("[")[0].split(".")[0] in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"echo": True}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "end"}, "suffix"),
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+    ],
+)
+def test_completion_refusals_name_the_field(change: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidField) as info:
+        decode_completion({"model": "m", "prompt": "x"} | change, 16)
+    assert info.value.param == param
+
+
+def test_nulls_are_defaults_and_the_body_must_be_an_object() -> None:
+    request = decode_chat(CHAT | {"tools": None, "logit_bias": None, "n": None, "x": None}, 16)
+    assert request.n == 1
+    with pytest.raises(InvalidField):
+        decode_chat(["not", "an", "object"], 16)
+
+
+def test_schemas_are_self_contained() -> None:
+    for schema in (COMPLETION_SCHEMA, CHAT_SCHEMA):
+        assert "$ref" not in str(schema) and "$defs" not in schema
+        assert schema["additionalProperties"] is False
+    assert CHAT_SCHEMA["properties"]["messages"]["items"]["properties"]["role"]["enum"]

@@ -1,0 +1,48 @@
+from pathlib import Path
+
+import pytest
+
+from predictor.config import Settings, build_parser
+
+
+def test_defaults_and_flags() -> None:
+    s = Settings.from_sources(["--http-port", "9000", "--model-dir", "/mnt/models"], {})
+    assert s.http_port == 9000
+    assert s.grpc_port == 8081
+    assert s.host == "127.0.0.1"
+    assert s.model_dir == Path("/mnt/models")
+    assert s.served_model_name == "models"
+
+
+def test_environment_gives_defaults_and_flags_win() -> None:
+    env = {"PREDICTOR_THREADS": "3", "PREDICTOR_ENABLE_GRPC": "false", "PREDICTOR_HTTP_PORT": "1"}
+    s = Settings.from_sources(["--http-port", "2"], env)
+    assert s.threads == 3 and s.torch_threads == 3
+    assert s.enable_grpc is False
+    assert s.http_port == 2
+
+
+def test_model_name_defaults_to_folder_name() -> None:
+    s = Settings.from_sources(["--model-dir", "models/smollm2-135m-instruct-gptq/"], {})
+    assert s.served_model_name == "smollm2-135m-instruct-gptq"
+    assert Settings.from_sources(["--model-name", "x"], {}).served_model_name == "x"
+
+
+def test_kserve_flags_are_not_ours() -> None:
+    # KServe's own parser owns --http_port/--model_name; ours use dashes and no abbreviations.
+    with pytest.raises(SystemExit):
+        Settings.from_sources(["--http_port", "1"], {})
+    with pytest.raises(SystemExit):
+        Settings.from_sources(["--http", "1"], {})
+
+
+def test_help_lists_our_flags() -> None:
+    text = build_parser({}).format_help()
+    for flag in ("--model-dir", "--model-name", "--http-port", "--grpc-port", "--host",
+                 "--threads", "--max-tokens-limit"):  # fmt: skip
+        assert flag in text
+
+
+def test_inconsistent_limits_are_refused() -> None:
+    with pytest.raises(ValueError):
+        Settings.from_sources(["--default-max-tokens", "100", "--max-tokens-limit", "10"], {})
