@@ -14,17 +14,20 @@ from collections.abc import Sequence
 
 from prometheus_client import REGISTRY
 
+from predictor.config import Settings
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.runners.model import ModelRunner
 from predictor.engine.runners.null import NullRunner
-from predictor.engine.runners.model import ModelRunner, UnsupportedModel
 from predictor.engine.scheduler import Scheduler
-from predictor.engine.step_loop import Runner, StepLoop
+from predictor.engine.step import Runner
+from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
-from predictor.observability.metrics import Metrics
-from predictor.model.layout import resolve_checkpoint_dir
+from predictor.model.layout import resolve_checkpoint_dir, served_name
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only
-from predictor.config import Settings
+from predictor.observability.metrics import Metrics
+from predictor.protocols.limits import Limits
+from predictor.serving.kserve_argv import hide_argv_from_kserve
 
 log = logging.getLogger("predictor")
 
@@ -39,17 +42,14 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         vocab = len(loaded.tokenizer)
         runner = NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
     else:
-        try:
-            runner = ModelRunner(
-                loaded.model,
-                loaded.device,
-                allocator.num_blocks,
-                allocator.block_size,
-                threads=settings.torch_threads,
-                attention=settings.attention,
-            )
-        except UnsupportedModel as exc:
-            raise CheckpointError(str(exc)) from exc
+        runner = ModelRunner(  # UnsupportedModel is a CheckpointError
+            loaded.model,
+            loaded.device,
+            allocator.num_blocks,
+            allocator.block_size,
+            threads=settings.torch_threads,
+            attention=settings.attention,
+        )
     scheduler = Scheduler(settings.max_batch_size, settings.max_waiting)
     step_loop = StepLoop(
         runner,
@@ -79,9 +79,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
-    # KServe's import-time argv parser must see none of our flags (kserve_internals item 1;
-    # that module imports kserve, so the wipe itself is done here, before any kserve import)
-    sys.argv = sys.argv[:1]
+    hide_argv_from_kserve()  # KServe's import-time argv parser must see none of our flags
     os.environ["HF_HOME"] = str(settings.hf_home)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -98,17 +96,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
 
-    from predictor.serving.model import LLMPredictor
     from predictor.serving.app import PredictorServer
+    from predictor.serving.model import LLMPredictor
 
-    name = settings.model_name or model_dir.absolute().name
+    name = served_name(settings.model_name, model_dir)
     metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
     try:
         engine = build_engine(loaded, settings, metrics)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
-    predictor = LLMPredictor(name, engine, settings.default_max_tokens, metrics)
+    limits = Limits(settings.default_max_tokens, settings.max_json_depth)
+    predictor = LLMPredictor(name, engine, limits, metrics)
     predictor.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",

@@ -12,14 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from predictor.engine.runners.native import CHOICES as ATTENTION
-
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 # GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
 # its backend names) and the weights dequantized at load into plain Linear layers. Not offered:
 # gptq_torch_fused (gptqmodel 7.6.0), whose logits on an asymmetric checkpoint (the default
 # recipe) are off by up to 33 against TorchAtenLinear and the dequantized weights (checked here)
 KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_int8", "dequantized")
+# how decode rows attend on a CPU (engine/runners/native.py)
+ATTENTION = ("auto", "native", "torch")
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class Settings:
     # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
     # there at batch 16 (load/RESULTS.md, "CPU GPTQ kernels"), the GPU kernels on a GPU
     kernel: str = "auto"
-    attention: str = "auto"  # decode attention: auto | native (engine/native.py) | torch
+    attention: str = "auto"  # decode attention: one of ATTENTION
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
@@ -58,10 +58,6 @@ class Settings:
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     hf_home: Path = Path.home() / ".cache" / "huggingface"
-
-    @property
-    def served_model_name(self) -> str:
-        return self.model_name or self.model_dir.absolute().name
 
     @property
     def torch_threads(self) -> int:

@@ -2,16 +2,23 @@
 
 PredictorError
 ├── InvalidRequest        bad input from a client            (HTTP 400, gRPC INVALID_ARGUMENT)
+│   │                     `param` names the offending field when one is to blame (OpenAI's)
 │   └── BodyTooLarge      a body past --max-body-bytes       (HTTP 413, gRPC RESOURCE_EXHAUSTED)
 ├── Forbidden             an operation switched off by flag  (HTTP 403, gRPC PERMISSION_DENIED)
 ├── ModelMissing          no model of that name              (HTTP 404, gRPC NOT_FOUND)
+│   └── VersionMissing    a model version that is not served
 ├── Overloaded            waiting queue (or a limit) is full (HTTP 429, gRPC RESOURCE_EXHAUSTED)
 ├── EngineUnavailable     engine stopped or draining         (HTTP 503, gRPC UNAVAILABLE)
 ├── GenerationFailed      a request failed inside the engine (HTTP 500, gRPC INTERNAL)
 └── CheckpointError       a model folder that cannot be served (startup: one line, exit 2)
+    └── UnsupportedModel  a model family the runner has no forward pass for
 
-Adapters turn an error into a status with `status_of` and nothing else. Any other exception is a
-server fault: 500 / INTERNAL with `SERVER_FAULT` as the message, the detail in the log only.
+NativeUnavailable (a RuntimeError, never shown to a client): a C kernel that cannot be built or
+loaded here; the runner falls back to torch.
+
+Adapters turn an error into a status with `status_of` and nothing else; the renderers of each
+transport are in `serving/errors.py`. Any other exception is a server fault: 500 / INTERNAL with
+`SERVER_FAULT` as the message, the detail in the log only.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ class PredictorError(Exception):
 
 
 class InvalidRequest(PredictorError):
-    pass
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the field to blame, as OpenAI's error `param` names it
 
 
 class BodyTooLarge(InvalidRequest):
@@ -36,6 +45,10 @@ class Forbidden(PredictorError):
 
 
 class ModelMissing(PredictorError):
+    pass
+
+
+class VersionMissing(ModelMissing):
     pass
 
 
@@ -53,6 +66,14 @@ class GenerationFailed(PredictorError):
 
 class CheckpointError(PredictorError):
     pass
+
+
+class UnsupportedModel(CheckpointError):
+    pass
+
+
+class NativeUnavailable(RuntimeError):
+    """A native kernel that cannot be compiled or loaded here (the torch path serves)."""
 
 
 SERVER_FAULT = "internal server error (see the server log)"

@@ -29,6 +29,9 @@ class SamplingParams:
     min_tokens: int = 0  # end-of-sequence tokens and stop strings cannot end the request before
     presence_penalty: float = 0.0  # OpenAI: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the generated text
+    # HF / vLLM / TGI: logits of tokens in the prompt or the generated text are divided by it
+    # where positive and multiplied where negative (1: off; > 1 penalises repeats)
+    repetition_penalty: float = 1.0
     # None: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
     logprobs: int | None = None
 
@@ -38,7 +41,11 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 
 from predictor.config import Settings, build_parser
+from predictor.model.layout import served_name
 
 
 def test_defaults_and_flags() -> None:
@@ -11,7 +12,7 @@ def test_defaults_and_flags() -> None:
     assert s.grpc_port == 8081
     assert s.host == "127.0.0.1"
     assert s.model_dir == Path("/mnt/models")
-    assert s.served_model_name == "models"
+    assert served_name(s.model_name, s.model_dir) == "models"
 
 
 def test_environment_gives_defaults_and_flags_win() -> None:
@@ -24,8 +25,19 @@ def test_environment_gives_defaults_and_flags_win() -> None:
 
 def test_model_name_defaults_to_folder_name() -> None:
     s = Settings.from_sources(["--model-dir", "models/smollm2-135m-instruct-gptq/"], {})
-    assert s.served_model_name == "smollm2-135m-instruct-gptq"
-    assert Settings.from_sources(["--model-name", "x"], {}).served_model_name == "x"
+    assert served_name(s.model_name, s.model_dir) == "smollm2-135m-instruct-gptq"
+    named = Settings.from_sources(["--model-name", "x"], {})
+    assert served_name(named.model_name, named.model_dir) == "x"
+
+
+def test_model_name_of_a_nested_storage_folder_is_the_checkpoints(tmp_path: Path) -> None:
+    # KServe's storage initializer may leave the checkpoint one folder below /mnt/models: the
+    # served name (for routes and for the manifests' probes alike) is the checkpoint folder's
+    # (once computed as the mount's name in one place and the checkpoint's in another)
+    (tmp_path / "models" / "smollm2-gptq").mkdir(parents=True)
+    (tmp_path / "models" / "smollm2-gptq" / "config.json").write_text("{}")
+    s = Settings.from_sources(["--model-dir", str(tmp_path / "models")], {})
+    assert served_name(s.model_name, s.model_dir) == "smollm2-gptq"
 
 
 def test_kserve_flags_are_not_ours() -> None:

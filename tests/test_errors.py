@@ -9,9 +9,13 @@ import pytest
 from grpc_interceptor.exceptions import GrpcException
 
 from predictor import errors
-from predictor.serving.model import to_kserve_error
-from predictor.serving.rest.completions import error_parts
-from predictor.serving.rest.oip import error_response
+from predictor.serving.errors import (
+    grpc_status,
+    kserve_error,
+    openai_body,
+    openai_response,
+    v2_response,
+)
 
 CASES = [
     (errors.InvalidRequest("bad"), 400, grpc.StatusCode.INVALID_ARGUMENT),
@@ -28,18 +32,19 @@ CASES = [
 
 @pytest.mark.parametrize(("exc", "http", "code"), CASES)
 def test_every_adapter_uses_the_table(exc: Exception, http: int, code: grpc.StatusCode) -> None:
-    rest = error_response(exc)
+    rest = v2_response(exc)
     assert rest.status_code == http
-    assert error_parts(exc)[0] == http
-    grpc_error = to_kserve_error(exc, from_grpc=True)
+    assert openai_response(exc).status_code == http
+    assert grpc_status(exc)[0] == code
+    grpc_error = kserve_error(exc, from_grpc=True)
     assert isinstance(grpc_error, GrpcException) and grpc_error.status_code == code
     if not isinstance(exc, errors.PredictorError):  # a server fault: a short message only
         assert json.loads(bytes(rest.body))["error"] == errors.SERVER_FAULT
-        assert "secret" not in grpc_error.details
-        assert "secret" not in json.dumps(error_parts(exc)[1])
+        assert "secret" not in grpc_error.details and "secret" not in grpc_status(exc)[1]
+        assert "secret" not in json.dumps(openai_body(exc))
     else:
         assert json.loads(bytes(rest.body))["error"] == str(exc)
 
 
 def test_overloaded_says_when_to_retry() -> None:
-    assert error_response(errors.Overloaded("busy")).headers["retry-after"] == "1"
+    assert v2_response(errors.Overloaded("busy")).headers["retry-after"] == "1"

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from predictor.engine.batch import Sequence as EngineSequence
@@ -156,7 +156,7 @@ class AsyncEngine:
                 f"KV cache ({cache.num_blocks * cache.block_size} tokens)"
             )
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
         (stream,) = await self.generate_all([request])
         try:
             async for event in stream:

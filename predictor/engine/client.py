@@ -22,8 +22,8 @@ class Stream(Protocol):
     """One request's events; `aclose` aborts the request if it has not ended."""
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
-    async def __anext__(self) -> TokenEvent: ...
-    async def aclose(self) -> None: ...
+    def __anext__(self) -> Awaitable[TokenEvent]: ...
+    def aclose(self) -> Awaitable[None]: ...
 
 
 class EngineClient(Protocol):
@@ -37,7 +37,7 @@ class EngineClient(Protocol):
 
     def stop(self) -> None: ...
 
-    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenEvent]:
+    def generate(self, request: GenerateRequest) -> Stream:
         """Stream one request's events; the last has finish_reason set.
 
         Raises InvalidRequest / Overloaded / EngineUnavailable before the first event.
@@ -69,7 +69,7 @@ class EngineClient(Protocol):
         ...
 
 
-async def complete(events: AsyncIterator[TokenEvent]) -> Completion:
+async def complete(events: Stream) -> Completion:
     """Run one request's events to the end and collect its text (the unary endpoints' path)."""
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
@@ -86,7 +86,7 @@ async def complete(events: AsyncIterator[TokenEvent]) -> Completion:
                     event.request_id, text, event.finish_reason, event.usage, tuple(logprobs)
                 )
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        await events.aclose()
     raise GenerationFailed("the engine ended the request without a final event")
 
 

@@ -38,6 +38,8 @@ class RowState(Protocol):
     def generator(self) -> Any: ...  # torch.Generator, or None for greedy-only rows
     @property
     def output_ids(self) -> Sequence[int]: ...  # tokens generated so far
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...  # the prompt's tokens (repetition_penalty)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class Row:
     params: SamplingParams
     generator: torch.Generator | None
     output_ids: Sequence[int]
+    prompt_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -122,13 +125,24 @@ def _special(row: RowState, eos_ids: Collection[int]) -> bool:
 
 
 def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
-    """OpenAI's presence and frequency penalties over each asking row's generated tokens."""
-    asking = [i for i, r in enumerate(rows) if r.params.penalized and r.output_ids]
-    for i in asking:
-        p = rows[i].params
-        ids = torch.tensor(rows[i].output_ids, device=logits.device)
-        counts = torch.bincount(ids, minlength=logits.shape[-1])[: logits.shape[-1]]
-        logits[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
+    """The repetition penalty (HF / vLLM: prompt and generated tokens, applied first), then
+    OpenAI's presence and frequency penalties over each asking row's generated tokens."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.penalized:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor([*row.prompt_ids, *row.output_ids], device=logits.device)
+            seen = seen.unique()
+            picked = logits[i, seen]
+            logits[i, seen] = torch.where(
+                picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
+            )
+        if row.output_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
+            ids = torch.tensor(row.output_ids, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab]
+            logits[i] -= counts * p.frequency_penalty + (counts > 0) * p.presence_penalty
     return logits
 
 

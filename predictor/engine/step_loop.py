@@ -14,26 +14,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from collections.abc import Sequence as Rows
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING
 
 from predictor.engine.batch import Batch, Sequence
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
-from predictor.engine.runners.model import StepRow
 from predictor.engine.sampling import make_generator, sample
 from predictor.engine.scheduler import Scheduler
+from predictor.engine.step import Runner, StepRow
 from predictor.types import FinishReason, TokenLogprob, TopLogprob
 
+if TYPE_CHECKING:  # annotations only: the runners run torch
+    import torch
+
 log = logging.getLogger(__name__)
-
-
-class Runner(Protocol):
-    device: torch.device
-
-    def bind_thread(self) -> None: ...
-    def forward(self, rows: Rows[StepRow]) -> torch.Tensor: ...
 
 
 class StepLoop:

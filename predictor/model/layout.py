@@ -39,3 +39,9 @@ def resolve_checkpoint_dir(path: Path) -> Path:
             f"{path} holds several checkpoints ({names}): point --model-dir at one of them"
         )
     return candidates[0] if candidates else path
+
+
+def served_name(model_name: str, model_dir: Path) -> str:
+    """The name the model is served under: `--model-name`, else the checkpoint folder's name
+    (the folder `resolve_checkpoint_dir` finds, not the mount point above it)."""
+    return model_name or resolve_checkpoint_dir(model_dir).absolute().name

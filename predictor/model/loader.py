@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from predictor.errors import CheckpointError
 from predictor.config import KERNELS
+from predictor.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

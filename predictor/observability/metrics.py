@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from predictor.engine.client import Stream
 from predictor.errors import PredictorError
 from predictor.observability.statistics import InferenceStatistics, RequestTiming
 from predictor.types import FinishReason, TokenEvent
@@ -132,7 +133,7 @@ class Metrics:
         self.queue_time.labels(self.model_name).observe(seconds)
         self.statistics.record_queue(seconds)
 
-    def observe(self, events: AsyncIterator[TokenEvent], protocol: str) -> ObservedStream:
+    def observe(self, events: Stream, protocol: str) -> ObservedStream:
         """Pass a request's events through, timing and counting them."""
         return ObservedStream(self, events, protocol)
 
@@ -141,7 +142,7 @@ class ObservedStream:
     """A request's events, measured. A class rather than an async generator: closing it closes
     the engine's stream (aborting the request) even if it was never iterated."""
 
-    def __init__(self, metrics: Metrics, events: AsyncIterator[TokenEvent], protocol: str) -> None:
+    def __init__(self, metrics: Metrics, events: Stream, protocol: str) -> None:
         self._metrics = metrics
         self._events = events
         self._protocol = protocol
@@ -192,4 +193,4 @@ class ObservedStream:
                 None if first is None else self._last - self._start,
             )
             m.statistics.record_request(timing)
-        await self._events.aclose()  # type: ignore[attr-defined]
+        await self._events.aclose()

@@ -1,52 +1,42 @@
 """OpenAPI descriptions of the bodies our REST routes read (KServe's app serves /openapi.json,
-which the schemathesis fuzzers read): the OIP generate body with Triton's top-level sampling
-keys, and the V2 infer body of infer_stream."""
+which the schemathesis fuzzers read), generated from the parameter table: the OIP generate body
+with Triton's top-level keys, the V2 infer body of infer_stream, and OpenAI's bodies."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from predictor.protocols import v2 as codecs
-from predictor.protocols.triton.tensors import PARAMETER_KEYS
+from pydantic import BaseModel
+
+from predictor.protocols import generate, parameters
+from predictor.protocols.openai import requests as openai_requests
+from predictor.protocols.parameters import MAX_STOP_LENGTH, MAX_STOP_STRINGS, Parameter
+from predictor.protocols.v2 import TEXT_INPUT
+
+
+def parameter_schema(row: Parameter) -> dict[str, Any]:
+    """One row as a JSON schema."""
+    if row.kind == "boolean":
+        return {"type": "boolean"}
+    if row.kind == "stop":
+        text = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+        return {"oneOf": [text, {"type": "array", "items": text, "maxItems": MAX_STOP_STRINGS}]}
+    schema: dict[str, Any] = {"type": row.kind}
+    if row.low is not None:
+        schema["exclusiveMinimum" if row.low_open else "minimum"] = row.low
+    if row.high is not None:
+        schema["exclusiveMaximum" if row.high_open else "maximum"] = row.high
+    return schema
+
+
+def parameters_properties(protocol: str) -> dict[str, Any]:
+    """Every key of a protocol (the row's name; aliases are accepted but not advertised)."""
+    return {row.name: parameter_schema(row) for row in parameters.rows(protocol)}
+
 
 _PARAMETERS_SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "temperature": {"type": "number", "minimum": 0, "maximum": 100},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": {"type": "integer", "minimum": 0},
-        "seed": {"type": "integer", "minimum": 0},
-        "stop": {
-            "oneOf": [
-                {"type": "string", "minLength": 1, "maxLength": codecs.MAX_STOP_LENGTH},
-                {
-                    "type": "array",
-                    "items": {
-                        "type": "string",
-                        "minLength": 1,
-                        "maxLength": codecs.MAX_STOP_LENGTH,
-                    },
-                    "maxItems": codecs.MAX_STOP_STRINGS,
-                },
-            ]
-        },
-        "ignore_eos": {"type": "boolean"},
-        "min_tokens": {"type": "integer", "minimum": 0},
-        "chat": {"type": "boolean"},
-        "timeout": {"type": "number", "exclusiveMinimum": 0},
-        "details": {"type": "boolean"},
-    },
-}
-
-_OIP_GENERATE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "required": [codecs.TEXT_INPUT],
-    "properties": {
-        "id": {"type": "string"},
-        codecs.TEXT_INPUT: {"type": "string", "minLength": 1},
-        "parameters": _PARAMETERS_SCHEMA,
-    },
+    "properties": {**parameters_properties("v2"), "details": {"type": "boolean"}},
 }
 
 INFER_REQUEST_SCHEMA: dict[str, Any] = {
@@ -61,7 +51,7 @@ INFER_REQUEST_SCHEMA: dict[str, Any] = {
                 "type": "object",
                 "required": ["name", "shape", "datatype", "data"],
                 "properties": {
-                    "name": {"type": "string", "enum": [codecs.TEXT_INPUT]},
+                    "name": {"type": "string", "enum": [TEXT_INPUT]},
                     "shape": {"type": "array", "items": {"type": "integer"}},
                     "datatype": {"type": "string", "enum": ["BYTES"]},
                     "data": {"type": "array", "items": {"type": "string"}},
@@ -73,11 +63,38 @@ INFER_REQUEST_SCHEMA: dict[str, Any] = {
 
 # generate and generate_stream also take the sampling keys at the top level, as Triton does
 GENERATE_REQUEST_SCHEMA: dict[str, Any] = {
-    **_OIP_GENERATE_SCHEMA,
+    "type": "object",
+    "required": [TEXT_INPUT],
     "properties": {
-        **_OIP_GENERATE_SCHEMA["properties"],
-        **{k: v for k, v in _PARAMETERS_SCHEMA["properties"].items() if k in PARAMETER_KEYS},
-        "stream": {"type": "boolean"},
+        "id": {"type": "string"},
+        TEXT_INPUT: {"type": "string", "minLength": 1},
+        "parameters": _PARAMETERS_SCHEMA,
+        **parameters_properties(generate.PROTOCOL),
+        generate.STREAM: {"type": "boolean"},
     },
     "additionalProperties": False,
 }
+
+
+def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
+    """A JSON schema with its $refs replaced by their definitions (the OpenAPI document has
+    no place for pydantic's $defs)."""
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            return _inline_refs(defs[schema["$ref"].rsplit("/", 1)[1]], defs)
+        return {k: _inline_refs(v, defs) for k, v in schema.items() if k != "$defs"}
+    if isinstance(schema, list):
+        return [_inline_refs(v, defs) for v in schema]
+    return schema
+
+
+def openai_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """An OpenAI body: its pydantic model's fields and the table's OpenAI keys."""
+    schema = model.model_json_schema()
+    body = dict(_inline_refs(schema, schema.get("$defs", {})))
+    body["properties"] = {**body.get("properties", {}), **parameters_properties("openai")}
+    return body
+
+
+COMPLETION_SCHEMA = openai_schema(openai_requests.CompletionBody)
+CHAT_SCHEMA = openai_schema(openai_requests.ChatBody)

@@ -11,19 +11,21 @@ from kserve import ModelServer
 from kserve.model import BaseKServeModel
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from predictor.engine.client import EngineClient
-from predictor.errors import Forbidden, PredictorError
-from predictor.serving import internals
-from predictor.serving.rest import completions as openai
-from predictor.serving.rest.body import BodyGuard
-from predictor.serving.rpc.stream_infer import DecodeGuard, StatusInterceptor, stream_handler
-from predictor.serving.lifecycle import Drain, PredictorDataPlane
-from predictor.serving.rest.oip import ServedModel, build_router, error_response
-from predictor.serving.rest.triton_admin import build_triton_router
 from predictor.config import Settings
+from predictor.engine.client import EngineClient
+from predictor.errors import Forbidden, InvalidRequest, PredictorError
+from predictor.serving import internals
+from predictor.serving.errors import v2_response
+from predictor.serving.lifecycle import Drain, PredictorDataPlane
+from predictor.serving.rest import completions, oip
+from predictor.serving.rest.body import BodyGuard
+from predictor.serving.rest.triton_admin import build_triton_router
+from predictor.serving.rpc.interceptors import DecodeGuard, StatusInterceptor
+from predictor.serving.rpc.stream_infer import stream_handler
+from predictor.serving.served import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class DefaultJSONContentType:
 async def predictor_error_handler(request: Request, exc: Exception) -> Response:
     """Our errors raised through KServe's own routes (V2 infer): 429 with Retry-After, etc."""
     assert isinstance(exc, PredictorError)
-    return error_response(exc)
+    return v2_response(exc)
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> Response:
@@ -68,13 +70,13 @@ async def validation_error_handler(request: Request, exc: Exception) -> Response
         f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
         for e in exc.errors()[:3]
     )
-    return JSONResponse({"error": f"invalid request body: {problems}"}, status_code=422)
+    return v2_response(InvalidRequest(f"invalid request body: {problems}"), status=422)
 
 
 async def server_fault_handler(request: Request, exc: Exception) -> Response:
     """Anything unexpected: 500 with a short message; the detail goes to the log only."""
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(exc)
+    return v2_response(exc)
 
 
 def forbidden(model_name: str) -> Exception:
@@ -168,9 +170,9 @@ class PredictorServer(ModelServer):
                 (GZipMiddleware, {"minimum_size": GZIP_MINIMUM_BYTES}),
             ],
             routers=[
-                build_router(self.served_model),
+                oip.build_router(self.served_model),
                 # before KServe registers its own routes: ours answer GET /v1/models in both
-                openai.build_router(self.served_model, self.model_names),
+                completions.build_router(self.served_model, self.model_names),
                 build_triton_router(self.served_model, self.served_models),
             ],
             handlers=handlers,

@@ -1,13 +1,14 @@
 """The one place that touches private or undocumented KServe (0.21) APIs.
 
 Each item below says what we use and why no public extension point does the job; each has a
-contract test in tests/server/test_kserve_internals.py that fails naming the item when a KServe
+contract test in tests/serving/test_internals.py that fails naming the item when a KServe
 upgrade changes what we rely on. Everything else in the package uses KServe's public API only
 (`ModelServer`, `Model` with `engine = True` / `start_engine`, `DataPlane`, `InferRequest`, ...).
 
 1. ARGV_WIPE: `kserve.model_server` parses `sys.argv` with its own argparse parser when it is
    first imported (module-level `parse_known_args`), and some of its flags (`--http_port`, ...)
-   would swallow ours. `hide_argv_from_kserve` empties argv before anything imports kserve.
+   would swallow ours. `hide_argv_from_kserve` (in `serving/kserve_argv.py`, which imports no
+   kserve, so `__main__` can call it before anything imports kserve) empties argv.
 2. GLOBAL_APP: KServe's REST server serves the module-level FastAPI `kserve.model_server.app`
    (imported by string, `FASTAPI_APP_IMPORT_STRING`); routers, middleware and exception
    handlers can only be added by mutating that global object before the server starts
@@ -19,8 +20,9 @@ upgrade changes what we rely on. Everything else in the package uses KServe's pu
    RPC handlers (Triton's ModelStreamInfer, ModelConfig, ...), interceptors, or a host other
    than `[::]`. `PredictorGRPCServer.start` is a copy of it with those added; it reads the
    private attributes `_data_plane`, `_model_repository_extension`, `_port` and sets `_server`,
-   which KServe's `stop` uses. Our status interceptor (server/grpc.py) subclasses KServe's
-   `ExceptionToStatusInterceptor` and takes its place, so its `handle_exception` must exist.
+   which KServe's `stop` uses. Our status interceptor (serving/rpc/interceptors.py) subclasses
+   KServe's `ExceptionToStatusInterceptor` and takes its place, so its `handle_exception` must
+   exist.
 5. REWRITTEN_MODEL_SERVER_START: `ModelServer.start` builds a `RESTServer` bound to 0.0.0.0 and
    a stock `GRPCServer`; `start_servers` does what it does for one worker, with our servers,
    our host (`RESTServer.config.host`), then calls the same helpers it calls
@@ -41,7 +43,6 @@ upgrade changes what we rely on. Everything else in the package uses KServe's pu
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent import futures
 from typing import Any
@@ -73,10 +74,7 @@ ITEMS = (
 ExceptionHandler = Callable[[Any, Exception], Awaitable[Any]]
 
 
-# 1. ARGV_WIPE ---------------------------------------------------------------------------------
-def hide_argv_from_kserve() -> None:
-    """Call before the first import of kserve (our Settings have read argv already)."""
-    sys.argv = sys.argv[:1]
+# 1. ARGV_WIPE: serving/kserve_argv.py ----------------------------------------------------------
 
 
 # 2. GLOBAL_APP --------------------------------------------------------------------------------

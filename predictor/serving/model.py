@@ -1,6 +1,7 @@
 """LLMPredictor: the kserve.Model that serves V2 infer through the engine.
 
-An adapter: it parses with `codecs`, calls the engine, encodes; it maps our errors to KServe's.
+An adapter: it parses with `protocols`, calls the engine, encodes; `serving/errors.py` maps our
+errors to KServe's.
 """
 
 from __future__ import annotations
@@ -9,42 +10,28 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import grpc
-from grpc_interceptor.exceptions import GrpcException
 from kserve import InferRequest, InferResponse, Model
 from kserve.errors import InvalidInput
 
-from predictor.protocols import v2 as codecs
-from predictor.protocols.triton import tensors as triton_codec
-from predictor.protocols.triton import responses as triton_responses
 from predictor.engine.client import EngineClient, complete_all
-from predictor.errors import PredictorError, message_of, status_of
+from predictor.errors import PredictorError
 from predictor.observability.metrics import Metrics, ObservedStream
 from predictor.observability.statistics import InferenceStatistics
+from predictor.protocols.limits import Limits
+from predictor.protocols.triton import requests as v2_requests
+from predictor.protocols.triton import responses as v2_responses
+from predictor.protocols.triton.tensors import INPUTS, OUTPUTS, TensorSpec
+from predictor.serving.errors import kserve_error
 from predictor.types import Completion, GenerateRequest
 
 log = logging.getLogger(__name__)
 
 
-def to_kserve_error(exc: BaseException, from_grpc: bool) -> Exception:
-    """Our errors as KServe's REST handlers and gRPC interceptor understand them.
-
-    Over REST our errors stay ours: the server's handler answers with `errors.STATUS_TABLE`
-    (429 with Retry-After, ...). Over gRPC they become the table's status code, which KServe's
-    interceptor passes through as it is; server faults are INTERNAL with a short message.
-    """
-    if not from_grpc:
-        return exc if isinstance(exc, PredictorError) else RuntimeError(message_of(exc))
-    return GrpcException(message_of(exc), getattr(grpc.StatusCode, status_of(exc).grpc))
-
-
 class LLMPredictor(Model):
-    def __init__(
-        self, name: str, llm: EngineClient, default_max_tokens: int, metrics: Metrics
-    ) -> None:
+    def __init__(self, name: str, llm: EngineClient, limits: Limits, metrics: Metrics) -> None:
         super().__init__(name)
         self.llm = llm
-        self.default_max_tokens = default_max_tokens
+        self.limits = limits
         self.metrics = metrics
         metrics.track_engine(llm.running, llm.waiting)
         self.engine = True  # KServe awaits start_engine() on the server's event loop
@@ -65,10 +52,11 @@ class LLMPredictor(Model):
         return self.llm.health()
 
     def get_input_types(self) -> list[dict[str, Any]]:
-        return [{"name": codecs.TEXT_INPUT, "datatype": "BYTES", "shape": [-1]}]
+        """V2 model metadata: the required input (the optional ones are in the config)."""
+        return [_metadata(spec) for spec in INPUTS if not spec.optional]
 
     def get_output_types(self) -> list[dict[str, Any]]:
-        return [{"name": codecs.TEXT_OUTPUT, "datatype": "BYTES", "shape": [-1]}]
+        return [_metadata(spec) for spec in OUTPUTS if not spec.optional]
 
     async def predict(
         self,
@@ -79,17 +67,15 @@ class LLMPredictor(Model):
         if not isinstance(payload, InferRequest):
             raise InvalidInput("expected a V2 inference request")
         try:
-            decoded = triton_codec.decode_infer_request(
-                payload, self.default_max_tokens, streaming=False
-            )
+            decoded = v2_requests.decode_infer_request(payload, self.limits, streaming=False)
             protocol = "grpc" if payload.from_grpc else "rest"
             completions = await self.complete_all(decoded.requests, protocol)
         except PredictorError as exc:
-            raise to_kserve_error(exc, payload.from_grpc) from exc
+            raise kserve_error(exc, payload.from_grpc) from exc
         except Exception as exc:
             log.exception("V2 infer failed")
-            raise to_kserve_error(exc, payload.from_grpc) from exc
-        return triton_responses.encode_infer_response(payload, self.name, decoded, completions)
+            raise kserve_error(exc, payload.from_grpc) from exc
+        return v2_responses.encode_infer_response(payload, self.name, decoded, completions)
 
     @property
     def statistics(self) -> InferenceStatistics:
@@ -120,3 +106,7 @@ class LLMPredictor(Model):
     ) -> list[Completion]:
         """Every prompt's whole answer; the first failure cancels the others at once."""
         return await complete_all(await self.stream_all(requests, protocol))
+
+
+def _metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.dims)}

@@ -334,6 +334,7 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
     a read-only root with emptyDirs where it writes, drain and grace that let a stream finish,
     memory that fits the measured RSS."""
     from predictor.config import Settings
+    from predictor.model.layout import served_name
 
     errors: list[str] = []
     env = {e["name"]: e.get("value", "") for e in container.get("env") or []}
@@ -341,7 +342,7 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
         settings = Settings.from_sources(container.get("args") or [], env)
     except (SystemExit, ValueError) as exc:
         return [f"kserve-container: args/env rejected by `python -m predictor`: {exc!r}"]
-    name = settings.served_model_name
+    name = served_name(settings.model_name, settings.model_dir)
     ready = f"/v2/models/{name}/ready"
     for probe in ("readinessProbe", "startupProbe"):
         path = ((container.get(probe) or {}).get("httpGet") or {}).get("path")

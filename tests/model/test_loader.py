@@ -10,10 +10,11 @@ import httpx
 import pytest
 import torch
 
-from predictor.engine.runners.model import ModelRunner, StepRow
+from predictor.config import KERNELS, Settings
+from predictor.engine.runners.model import ModelRunner
+from predictor.engine.step import StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
-from predictor.config import KERNELS, Settings
 from tests.support import REPO, ServerProcess
 
 

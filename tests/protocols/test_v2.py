@@ -5,9 +5,20 @@ import pytest
 from kserve import InferInput, InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 
-from predictor.protocols import v2 as codecs
 from predictor.errors import InvalidRequest
-from predictor.types import Completion, FinishReason, Usage
+from predictor.protocols import limits, v2
+from predictor.protocols.triton.requests import decode_infer_request as decode_v2
+from predictor.types import Completion, FinishReason, GenerateRequest, Usage
+
+
+def decode(request: InferRequest, default_max_tokens: int = 64) -> list[GenerateRequest]:
+    return decode_v2(request, limits.Limits(default_max_tokens, 32), streaming=False).requests
+
+
+def encode(request: InferRequest, done: list[Completion]) -> object:
+    return v2.text_response(
+        request, "m", done[0].request_id, [c.text for c in done], v2.usage_parameters(done)
+    )
 
 
 def _request(
@@ -18,7 +29,7 @@ def _request(
 
 
 def test_rest_parameters() -> None:
-    reqs = codecs.decode_infer_request(
+    reqs = decode(
         _request(
             ["a", "b"],
             {
@@ -31,7 +42,7 @@ def test_rest_parameters() -> None:
                 "chat": True,
             },
         ),  # fmt: skip
-        default_max_tokens=64,
+        64,
     )
     assert [r.prompt for r in reqs] == ["a", "b"]
     assert [r.request_id for r in reqs] == ["r-0", "r-1"]
@@ -57,7 +68,7 @@ def test_grpc_parameter_map() -> None:
     msg.parameters["stop"].string_param = '["x", "y"]'
     tensor = msg.inputs.add(name="text_input", datatype="BYTES", shape=[1])
     tensor.contents.bytes_contents.append(b"hi")
-    (req,) = codecs.decode_infer_request(InferRequest.from_grpc(msg), default_max_tokens=64)
+    (req,) = decode(InferRequest.from_grpc(msg))
     assert req.prompt == "hi" and req.chat
     assert req.params.max_tokens == 4 and req.params.temperature == 0.25
     assert req.params.stop == ("x", "y")
@@ -66,36 +77,36 @@ def test_grpc_parameter_map() -> None:
 
 @pytest.mark.parametrize(
     "parameters",
-    [{"max_tokens": 0}, {"max_tokens": "5"}, {"max_tokens": 1.5}, {"max_tokens": True},
+    [{"max_tokens": 0}, {"max_tokens": "x"}, {"max_tokens": 1.5}, {"max_tokens": True},
      {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -1}, {"seed": -3},
      {"stop": 5}, {"stop": ["x"] * 17}, {"stop": ["x" * 300]}, {"stop": [""]},
      {"chat": "yes"}, {"timeout": 0}],
 )  # fmt: skip
 def test_bad_parameters(parameters: dict) -> None:
     with pytest.raises(InvalidRequest):
-        codecs.decode_infer_request(_request(["a"], parameters), default_max_tokens=64)
+        decode(_request(["a"], parameters))
 
 
 def test_bad_inputs() -> None:
     with pytest.raises(InvalidRequest, match="missing"):
-        codecs.decode_infer_request(
+        decode(
             InferRequest(model_name="m", infer_inputs=[], request_id="r"), 64
         )
     with pytest.raises(InvalidRequest, match="BYTES"):
-        codecs.decode_infer_request(_request([1], datatype="INT32"), 64)  # type: ignore[list-item]
+        decode(_request([1], datatype="INT32"), 64)  # type: ignore[list-item]
     with pytest.raises(InvalidRequest, match="empty"):
-        codecs.decode_infer_request(_request([""]), 64)
+        decode(_request([""]), 64)
     msg = pb.ModelInferRequest(model_name="m", id="g")
     msg.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
         b"\xff\xfe"
     )
     with pytest.raises(InvalidRequest, match="UTF-8"):
-        codecs.decode_infer_request(InferRequest.from_grpc(msg), 64)
+        decode(InferRequest.from_grpc(msg), 64)
 
 
 def test_response_rest_and_grpc() -> None:
     done = [Completion("r", "héllo", FinishReason.LENGTH, Usage(3, 4))]
-    rest = codecs.encode_infer_response(_request(["a"]), "m", done)
+    rest = encode(_request(["a"]), done)
     body, _ = rest.to_rest()
     assert body["outputs"][0]["data"] == ["héllo"]
     assert body["parameters"] == {
@@ -107,7 +118,7 @@ def test_response_rest_and_grpc() -> None:
     msg.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(
         b"a"
     )
-    grpc_response = codecs.encode_infer_response(InferRequest.from_grpc(msg), "m", done).to_grpc()
+    grpc_response = encode(InferRequest.from_grpc(msg), done).to_grpc()  # type: ignore[attr-defined]
     assert len(grpc_response.raw_output_contents) == 1
     from kserve.protocol.infer_type import deserialize_bytes_tensor
 
@@ -116,7 +127,7 @@ def test_response_rest_and_grpc() -> None:
 
 
 def test_null_parameters_take_their_defaults() -> None:
-    (req,) = codecs.decode_infer_request(
+    (req,) = decode(
         _request(
             ["a"],
             {
@@ -135,13 +146,13 @@ def test_null_parameters_take_their_defaults() -> None:
 
 
 def test_check_depth_counts_containers_only() -> None:
-    codecs.check_depth({"a": [{"b": ["x" * 10]}]}, max_depth=4)
+    limits.check_depth({"a": [{"b": ["x" * 10]}]}, max_depth=4)
     with pytest.raises(InvalidRequest, match="deeper than 3"):
-        codecs.check_depth({"a": [{"b": []}]}, max_depth=3)
-    codecs.check_depth({"a": "\ud800", "b": float("nan")}, max_depth=2)  # orjson refuses these
+        limits.check_depth({"a": [{"b": []}]}, max_depth=3)
+    limits.check_depth({"a": "\ud800", "b": float("nan")}, max_depth=2)  # orjson refuses these
 
 
 def test_check_plain_refuses_surrogates_in_non_ascii_strings_only() -> None:
-    codecs.check_plain({"a": "caf\u00e9 " * 1000, "b": "plain"})
+    limits.check_plain({"a": "caf\u00e9 " * 1000, "b": "plain"}, 32)
     with pytest.raises(InvalidRequest, match="surrogate"):
-        codecs.check_plain({"a": "caf\u00e9 \ud800"})
+        limits.check_plain({"a": "caf\u00e9 \ud800"}, 32)

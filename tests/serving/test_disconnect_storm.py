@@ -7,7 +7,7 @@ import time
 
 import httpx
 
-from tests.server.test_grpc_stream import wait_idle
+from tests.serving.test_grpc_stream import wait_idle
 from tests.support import ServerProcess
 
 

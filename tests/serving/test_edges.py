@@ -22,8 +22,8 @@ from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
 
 from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
 from tests.conftest import DEFAULT_MODEL, REPO
-from tests.server.test_grpc_stream import running_requests, stream_request, wait_idle
-from tests.server.test_v2_grpc import infer_request
+from tests.serving.test_grpc_stream import running_requests, stream_request, wait_idle
+from tests.serving.test_v2_grpc import infer_request
 from tests.support import ServerProcess
 
 MiB = 1024 * 1024

@@ -1,4 +1,4 @@
-"""Fuzzing: schemathesis against the served OpenAPI document, hypothesis on the codecs.
+"""Fuzzing: schemathesis against the served OpenAPI document, hypothesis on the decoders.
 
 Whatever arrives, the answer is never a 5xx and never a hang. Each schemathesis case is also sent
 with one value made non-finite (`NaN`, `Infinity`), which schemathesis' valid JSON never holds:
@@ -19,8 +19,10 @@ from hypothesis import strategies as st
 from kserve import InferInput, InferRequest
 from schemathesis.checks import not_a_server_error
 
-from predictor.protocols import v2 as codecs
 from predictor.errors import InvalidRequest
+from predictor.protocols import generate as oip
+from predictor.protocols.limits import Limits
+from predictor.protocols.triton.requests import decode_infer_request
 from tests.support import ServerProcess
 
 ROUTES = r"/v2/models/\{model_name\}/(generate|generate_stream|infer_stream|infer)$"
@@ -150,7 +152,7 @@ parameter_names = st.sampled_from(
 @settings(max_examples=300, deadline=None, derandomize=True)
 def test_generate_codec_accepts_or_says_why(body: dict) -> None:
     try:
-        request = codecs.decode_generate_request(body, default_max_tokens=16)
+        request, _ = oip.decode_generate_request(body, Limits(16, 32), streaming=False)
     except InvalidRequest as exc:
         assert str(exc)
         return
@@ -166,7 +168,8 @@ def test_generate_codec_accepts_or_says_why(body: dict) -> None:
 def test_infer_codec_accepts_or_says_why(data: list, params: dict, datatype: str) -> None:
     inp = InferInput(name="text_input", shape=[len(data)], datatype=datatype, data=data)
     try:
-        requests = codecs.decode_infer_request(InferRequest("m", [inp], "r", parameters=params), 16)
+        request = InferRequest("m", [inp], "r", parameters=params)
+        requests = decode_infer_request(request, Limits(16, 32), streaming=False).requests
     except InvalidRequest as exc:
         assert str(exc)
         return

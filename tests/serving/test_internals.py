@@ -33,8 +33,8 @@ def test_item_argv_wipe() -> None:
     require("ARGV_WIPE", out.stdout.strip() == "1234", "kserve.model_server no longer parses argv")
     code = (
         "import sys; sys.argv = ['x', '--port', '1']; "
-        "from predictor.serving.internals import hide_argv_from_kserve;"
-        "hide_argv_from_kserve(); import kserve.model_server; print(sys.argv)"
+        "import predictor.__main__ as main; assert 'kserve' not in sys.modules;"
+        "main.hide_argv_from_kserve(); import kserve.model_server; print(sys.argv)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     require("ARGV_WIPE", out.stdout.strip() == "['x']", out.stderr[-500:])

@@ -13,10 +13,11 @@ import torch
 from httpx_sse import connect_sse
 
 from predictor.model.loader import LoadedModel
+from predictor.protocols.limits import Limits
 from predictor.protocols.openai.requests import decode_chat
 from predictor.serving.rest.completions import start_stream
 from predictor.types import FinishReason, GenerateRequest, TokenEvent, Usage
-from tests.server.test_grpc_stream import running_requests, wait_idle
+from tests.serving.test_grpc_stream import running_requests, wait_idle
 from tests.support import ServerProcess
 
 PREFIXES = ("/v1", "/openai/v1")
@@ -403,7 +404,7 @@ def test_disconnect_frees_every_choice(server: ServerProcess) -> None:
 
 class FakeModel:
     name = "fake"
-    default_max_tokens = 8
+    limits = Limits(8, 32)
     ready = True
 
     def stream(self, request: GenerateRequest, protocol: str) -> AsyncIterator[TokenEvent]:

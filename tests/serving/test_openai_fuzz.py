@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from tests.server.test_fuzz import post_non_finite
+from tests.serving.test_fuzz import post_non_finite
 from tests.support import ServerProcess
 
 ROUTES = r"^/(openai/)?v1/(completions|chat/completions|models)$"

@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from tests.server.test_drain import stream_then_sigterm
-from tests.server.test_grpc_stream import running_requests, wait_idle
-from tests.server.test_overload import hold, waiting_requests
+from tests.serving.test_drain import stream_then_sigterm
+from tests.serving.test_grpc_stream import running_requests, wait_idle
+from tests.serving.test_overload import hold, waiting_requests
 from tests.support import ServerProcess
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

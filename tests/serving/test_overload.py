@@ -12,8 +12,8 @@ import httpx
 import pytest
 from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from tests.server.test_grpc_stream import running_requests, wait_idle
-from tests.server.test_v2_grpc import infer_request
+from tests.serving.test_grpc_stream import running_requests, wait_idle
+from tests.serving.test_v2_grpc import infer_request
 from tests.support import ServerProcess
 
 # holds its row for 900 steps of the tiny model (a few seconds), never ending early

@@ -11,9 +11,9 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from predictor.serving.rest.oip import start_stream
+from predictor.serving.rest.oip import stream_sse
 from predictor.types import FinishReason, TokenEvent, Usage
-from tests.server.test_grpc_stream import running_requests, wait_idle
+from tests.serving.test_grpc_stream import running_requests, wait_idle
 from tests.support import ServerProcess
 
 # long enough that the tiny model is still generating when the first event arrives
@@ -98,7 +98,7 @@ async def test_error_after_the_first_byte_is_an_event() -> None:
             "e", "", (), FinishReason.ERROR, Usage(1, 1), "the model produced non-finite logits"
         )
 
-    response = await start_stream(events(), lambda e: {"text_output": e.text})
+    response = await stream_sse(events(), lambda e: {"text_output": e.text})  # type: ignore[arg-type]
     chunks = [chunk async for chunk in response.body_iterator]  # type: ignore[attr-defined]
     assert chunks == [
         b'data: {"text_output": "Hello"}\n\n',

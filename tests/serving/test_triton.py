@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from predictor.pb import triton_model_pb2 as tpb
-from tests.server.test_grpc_stream import call_stream, stream_request, wait_idle
+from tests.serving.test_grpc_stream import call_stream, stream_request, wait_idle
 from tests.support import REPO, ServerProcess
 
 

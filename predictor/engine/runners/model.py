@@ -20,27 +20,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from predictor.config import ATTENTION
 from predictor.engine.runners.int4_linear import dense_linear, fuse_layer
-from predictor.engine.runners.native import CHOICES as ATTENTION
-from predictor.engine.runners.native import DecodeAttention, NativeUnavailable, decode_attention
+from predictor.engine.runners.native import DecodeAttention, decode_attention
+from predictor.engine.step import StepRow
+from predictor.errors import NativeUnavailable, UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama"})
-
-
-@dataclass
-class StepRow:
-    """One row's part of a forward pass."""
-
-    blocks: Sequence[int]  # the row's block table, covering positions [0, start + len(tokens))
-    start: int  # position of tokens[0]: how many of the row's tokens the cache already holds
-    tokens: Sequence[int]  # fed this step: 1 for a decode row, a prompt chunk for a prefill row
-    logits: bool  # whether the step must return logits for the last of `tokens`
-
-
-class UnsupportedModel(ValueError):
-    pass
 
 
 class ModelRunner:

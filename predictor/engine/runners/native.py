@@ -25,18 +25,15 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from predictor.errors import NativeUnavailable
+
 logger = logging.getLogger(__name__)
 
-CHOICES = ("auto", "native", "torch")  # --attention
 SOURCE = Path(__file__).with_name("decode_attention.c")
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
 # q, q_stride, pool, slots, tables, table_width, lengths, rows, kv_heads, scale, out, scratch
 DecodeAttention = Callable[[int, int, int, int, int, int, int, int, int, float, int, int], None]
-
-
-class NativeUnavailable(RuntimeError):
-    pass
 
 
 @functools.lru_cache(maxsize=8)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from predictor.engine.runners.model import StepRow
+from predictor.engine.step import StepRow
 
 
 class NullRunner:

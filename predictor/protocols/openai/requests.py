@@ -1,42 +1,34 @@
 """OpenAI completions and chat completions request bodies -> our types.
 
-Bodies are checked by strict pydantic models: a wrong type, a value out of range or a field we
-do not know is an `InvalidField` naming it. Fields OpenAI defines that we cannot honour (tools,
-logit_bias, echo, ...) are refused by name unless they hold their harmless default. The routes
-and response shapes are in `openai_responses` and `server/openai.py`.
+The sampling keys (max_tokens, temperature, stop, ...) are read by the one parameter table
+(`protocols/parameters.py`, with OpenAI's defaults and ranges); the rest of a body is checked by
+strict pydantic models: a wrong type, a value out of range or a field we do not know is an
+`InvalidRequest` naming it (`param`). Fields OpenAI defines that we cannot honour (tools,
+logit_bias, echo, ...) are refused by name unless they hold their harmless default. The response
+shapes are in `protocols/openai/responses.py`, the routes in `serving/rest/completions.py`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from predictor.protocols.v2 import MAX_STOP_LENGTH, MAX_STOP_STRINGS
 from predictor.errors import InvalidRequest
+from predictor.protocols import parameters
 from predictor.types import GenerateRequest, SamplingParams
 
 MAX_CHOICES = 16  # n, and the number of prompts in one completions request
 MAX_TOP_LOGPROBS = 20
-SEED_MODULUS = 2**63  # choice j of a seeded request uses (seed + j) mod 2**63
-
-
-class InvalidField(InvalidRequest):
-    """A bad request body, naming the offending field (OpenAI's error `param`)."""
-
-    def __init__(self, param: str | None, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+SEED_MODULUS = parameters.SEED_LIMIT  # choice j of a seeded request uses (seed + j) mod 2**63
+PROTOCOL = "openai"
 
 
 # -- body models --------------------------------------------------------------------------------
-
-StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LENGTH)]
-Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]
 
 
 class _Strict(BaseModel):
@@ -48,23 +40,14 @@ class StreamOptions(_Strict):
 
 
 class _Common(_Strict):
-    """Fields completions and chat completions share (OpenAI's, then vLLM's extensions)."""
+    """Fields completions and chat completions share beside the table's sampling keys
+    (OpenAI's, then vLLM's extensions)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
-    stop: Stop | None = None
-    seed: int | None = Field(None, ge=0, lt=SEED_MODULUS)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted: an end-user id, for the client's own bookkeeping
-    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 turn it off
-    ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:{id}"
 
 
@@ -91,7 +74,6 @@ class Message(_Strict):
 
 class ChatBody(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -124,7 +106,7 @@ _HARMLESS: dict[str, Callable[[Any], bool]] = {
 
 def _without_refused(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise InvalidField(None, "the request body must be a JSON object")
+        raise InvalidRequest("the request body must be a JSON object")
     kept: dict[str, Any] = {}
     for key, value in body.items():
         if value is None:  # JSON null: the default, for every optional field
@@ -132,7 +114,7 @@ def _without_refused(body: Any) -> dict[str, Any]:
         harmless = _HARMLESS.get(key)
         if harmless is not None:
             if not harmless(value):
-                raise InvalidField(key, f"'{key}' is not supported by this server")
+                raise InvalidRequest(f"'{key}' is not supported by this server", param=key)
             continue
         kept[key] = value
     return kept
@@ -159,17 +141,31 @@ _FIELD_NAMES = frozenset(
 Body = TypeVar("Body", bound=_Common)
 
 
-def _validate(model: type[Body], body: Any) -> Body:
+def _validate(
+    model: type[Body], body: Any, default_max_tokens: int, renames: Mapping[str, str] | None = None
+) -> tuple[Body, SamplingParams]:
+    """The body's own fields, and its sampling keys read by the parameter table. `renames`: keys
+    that are another name of a table key on this route (chat's max_completion_tokens)."""
+    kept = _without_refused(body)
+    table = set(parameters.names(PROTOCOL))
+    sampling_keys = {k: v for k, v in kept.items() if k in table}
+    for key, name in (renames or {}).items():
+        if key in kept:
+            if name in sampling_keys and sampling_keys[name] != kept[key]:
+                raise InvalidRequest(f"'{name}' and '{key}' disagree", param=name)
+            sampling_keys[name] = kept[key]
+    rest = {k: v for k, v in kept.items() if k not in table and k not in (renames or {})}
+    values = parameters.read(sampling_keys, PROTOCOL, default_max_tokens)
     try:
-        return model.model_validate(_without_refused(body))
+        return model.model_validate(rest), values.sampling
     except ValidationError as exc:
         error = exc.errors()[0]
         loc = error["loc"]
         if error["type"] == "extra_forbidden":  # the unknown key itself is the last part
             param = _param(loc, _FIELD_NAMES | {str(loc[-1])})
-            raise InvalidField(param, f"'{param}' is not supported by this server") from exc
+            raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
         param = _param(loc, _FIELD_NAMES)
-        raise InvalidField(param or None, f"'{param}': {error['msg']}") from exc
+        raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
 
 
 def requested_model(body: Any) -> str | None:
@@ -198,35 +194,12 @@ class OpenAIRequest:
     token_ids: bool = False  # logprob tokens written "token_id:{id}" (vLLM's option)
 
 
-def _sampling(
-    body: _Common, max_tokens: int | None, default_max_tokens: int, logprobs: int | None
-) -> SamplingParams:
-    max_tokens = max_tokens or default_max_tokens
-    min_tokens = body.min_tokens or 0
-    if min_tokens > max_tokens:
-        raise InvalidField(
-            "min_tokens", f"'min_tokens' ({min_tokens}) exceeds the token cap ({max_tokens})"
-        )
-    stop = body.stop if body.stop is not None else ()
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=body.temperature if body.temperature is not None else 1.0,
-        top_p=body.top_p if body.top_p is not None else 1.0,
-        top_k=max(body.top_k or 0, 0),
-        seed=body.seed,
-        stop=(stop,) if isinstance(stop, str) else tuple(stop),
-        ignore_eos=bool(body.ignore_eos),
-        min_tokens=min_tokens,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        logprobs=logprobs,
-    )
-
-
 def _stream_flags(body: _Common) -> tuple[bool, bool]:
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
-        raise InvalidField("stream_options", "'stream_options' is only allowed with stream: true")
+        raise InvalidRequest(
+            "'stream_options' is only allowed with stream: true", param="stream_options"
+        )
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return stream, include_usage
 
@@ -247,11 +220,11 @@ def _choices(
 
 
 def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
-    parsed = _validate(CompletionBody, body)
+    parsed, sampling = _validate(CompletionBody, body, default_max_tokens)
     n = parsed.n or 1
     if parsed.best_of is not None and parsed.best_of != n:
-        raise InvalidField("best_of", f"'best_of' must equal n ({n}) on this server")
-    sampling = _sampling(parsed, parsed.max_tokens, default_max_tokens, parsed.logprobs)
+        raise InvalidRequest(f"'best_of' must equal n ({n}) on this server", param="best_of")
+    sampling = replace(sampling, logprobs=parsed.logprobs)
     stream, include_usage = _stream_flags(parsed)
     texts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
     base = f"cmpl-{uuid.uuid4().hex}"
@@ -270,19 +243,14 @@ def _content(message: Message) -> str:
 
 
 def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
-    parsed = _validate(ChatBody, body)
+    parsed, sampling = _validate(
+        ChatBody, body, default_max_tokens, {"max_completion_tokens": "max_tokens"}
+    )
     n = parsed.n or 1
     if parsed.top_logprobs is not None and not parsed.logprobs:
-        raise InvalidField("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-    if (
-        parsed.max_tokens is not None
-        and parsed.max_completion_tokens is not None
-        and parsed.max_tokens != parsed.max_completion_tokens
-    ):
-        raise InvalidField("max_tokens", "'max_tokens' and 'max_completion_tokens' disagree")
+        raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     k = (parsed.top_logprobs or 0) if parsed.logprobs else None
-    max_tokens = parsed.max_completion_tokens or parsed.max_tokens
-    sampling = _sampling(parsed, max_tokens, default_max_tokens, k)
+    sampling = replace(sampling, logprobs=k)
     stream, include_usage = _stream_flags(parsed)
     messages = tuple({"role": m.role, "content": _content(m)} for m in parsed.messages)
     base = f"chatcmpl-{uuid.uuid4().hex}"
@@ -296,24 +264,3 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
         _choices(base, [prompt], n, sampling), stream, include_usage, k is not None,
         bool(parsed.return_tokens_as_token_ids),
     )  # fmt: skip
-
-
-def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
-    """A JSON schema with its $refs replaced by their definitions (the OpenAPI document has
-    no place for pydantic's $defs)."""
-    if isinstance(schema, dict):
-        if "$ref" in schema:
-            return _inline_refs(defs[schema["$ref"].rsplit("/", 1)[1]], defs)
-        return {k: _inline_refs(v, defs) for k, v in schema.items() if k != "$defs"}
-    if isinstance(schema, list):
-        return [_inline_refs(v, defs) for v in schema]
-    return schema
-
-
-def body_schema(model: type[BaseModel]) -> dict[str, Any]:
-    schema = model.model_json_schema()
-    return dict(_inline_refs(schema, schema.get("$defs", {})))
-
-
-COMPLETION_SCHEMA = body_schema(CompletionBody)
-CHAT_SCHEMA = body_schema(ChatBody)

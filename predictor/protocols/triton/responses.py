@@ -1,6 +1,6 @@
-"""Responses in the Triton vLLM backend's shape: its optional outputs (finish_reason,
-num_input_tokens, num_output_tokens), the prompt in front when asked, one whole response when
-`stream` is false. The requests' side is `triton_codec`."""
+"""V2 responses in the Triton vLLM backend's shape: `text_output`, its optional outputs
+(finish_reason, num_input_tokens, num_output_tokens), the prompt in front when asked, one whole
+response when `stream` is false. The requests' side is `protocols/triton/requests.py`."""
 
 from __future__ import annotations
 
@@ -11,13 +11,9 @@ from typing import Any
 import numpy as np
 from kserve import InferOutput, InferRequest, InferResponse
 
-from predictor.protocols import v2 as codecs
-from predictor.protocols.triton.tensors import (
-    FINISH_REASON,
-    NUM_INPUT_TOKENS,
-    NUM_OUTPUT_TOKENS,
-    V2Request,
-)
+from predictor.protocols.triton.requests import V2Request
+from predictor.protocols.triton.tensors import FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS
+from predictor.protocols.v2 import TEXT_OUTPUT, details, text_response, usage_parameters
 from predictor.types import Completion, FinishReason, TokenEvent
 
 # the vLLM backend reports vLLM's finish reasons ("None" until the last response)
@@ -41,7 +37,10 @@ def encode_infer_response(
 ) -> InferResponse:
     """One answer for every prompt: text_output and the optional outputs asked for."""
     completions = with_prompt(decoded, completions)
-    response = codecs.encode_infer_response(request, model_name, completions)
+    texts = [c.text for c in completions]
+    response = text_response(
+        request, model_name, completions[0].request_id, texts, usage_parameters(completions)
+    )
     columns: dict[str, list[Any]] = {
         FINISH_REASON: [_finish(c.finish_reason) for c in completions],
         NUM_INPUT_TOKENS: [c.usage.prompt_tokens for c in completions],
@@ -66,7 +65,10 @@ def encode_stream_response(
     num_output_tokens counts this response's tokens (all of them for a whole answer);
     num_input_tokens is known once the request ends, so it rides on the last response.
     """
-    response = codecs.infer_stream_response(request, model_name, event)
+    usage = None
+    if event.final and event.finish_reason is not None and event.usage is not None:
+        usage = details(event.finish_reason, event.usage)
+    response = text_response(request, model_name, event.request_id, [event.text], usage)
     whole = not decoded.stream
     generated = event.usage.generated_tokens if whole and event.usage else len(event.token_ids)
     columns: dict[str, list[Any]] = {
@@ -92,7 +94,7 @@ def _select(
     (text,) = response.outputs
     outputs = []
     for name in names:
-        if name == codecs.TEXT_OUTPUT:
+        if name == TEXT_OUTPUT:
             outputs.append(text)
         elif name in columns:
             outputs.append(_output(request, name, columns[name]))
@@ -103,7 +105,7 @@ def _select(
 def _output(request: InferRequest, name: str, values: list[Any]) -> InferOutput:
     datatype = "BYTES" if name == FINISH_REASON else "UINT32"
     output = InferOutput(name=name, shape=[len(values)], datatype=datatype)
-    if request.from_grpc:  # raw contents, as the text output (see codecs._text_response)
+    if request.from_grpc:  # raw contents, as the text output (see v2.text_response)
         if datatype == "BYTES":
             array = np.array([str(v).encode() for v in values], dtype=np.object_)
         else:

@@ -12,17 +12,13 @@ from typing import Any
 
 from google.protobuf import json_format
 
-from predictor.errors import PredictorError
-from predictor.pb import triton_model_pb2 as pb
+from predictor.errors import VersionMissing
 from predictor.observability.statistics import Duration, StatisticsSnapshot
+from predictor.pb import triton_model_pb2 as pb
 from predictor.protocols.triton.tensors import INPUTS, OUTPUTS, TensorSpec
 
 VERSION = "1"  # one model, one version: what Triton reports for a model without versions
 BACKEND = "gptq-predictor"
-
-
-class VersionMissing(PredictorError):
-    """A model version that is not served (the adapters answer it as an unknown model)."""
 
 
 def check_version(name: str, version: str) -> None:

@@ -20,14 +20,15 @@ import json
 from typing import Any
 
 import orjson
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from predictor.protocols import v2 as codecs
-from predictor.protocols.openai import responses as openai_shapes
-from predictor.errors import BodyTooLarge, InvalidRequest, PredictorError, status_of
+from predictor.errors import BodyTooLarge, InvalidRequest, PredictorError
+from predictor.protocols.limits import check_depth, check_plain
+from predictor.serving.errors import openai_response, v2_response
+from predictor.serving.rest.routes import is_openai_path
 
-_OPENAI_PREFIXES = ("/v1/", "/openai/v1/")
 _PARSED = "predictor.parsed_body"  # scope key: the JSON value the guard parsed
 
 
@@ -38,14 +39,20 @@ def parsed_body(scope: Scope) -> tuple[bool, Any]:
     return False, None
 
 
+async def read_json(request: Request) -> Any:
+    """The body's JSON value: the guard's parse, or (a body it left alone) parsed here."""
+    parsed, value = parsed_body(request.scope)
+    if parsed:
+        return value
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
 def refusal(path: str, exc: PredictorError) -> JSONResponse:
     """`{"error": ...}`, or OpenAI's error object on OpenAI's paths."""
-    status = status_of(exc).http
-    if path.startswith(_OPENAI_PREFIXES):
-        return JSONResponse(
-            openai_shapes.error_body(str(exc), "invalid_request_error"), status_code=status
-        )
-    return JSONResponse({"error": str(exc)}, status_code=status)
+    return openai_response(exc) if is_openai_path(path) else v2_response(exc)
 
 
 class BodyGuard:
@@ -102,9 +109,9 @@ class BodyGuard:
             value: Any = orjson.loads(body)
         except orjson.JSONDecodeError:
             value = self._parse_leniently(body)  # raises what is wrong, if anything
-            codecs.check_plain(value, self.max_depth)
+            check_plain(value, self.max_depth)
             return  # json took what orjson did not (UTF-16, say): the route parses it itself
-        codecs.check_depth(value, self.max_depth)  # the rest orjson has refused already
+        check_depth(value, self.max_depth)  # the rest orjson has refused already
         scope[_PARSED] = value
 
     def _parse_leniently(self, body: bytes) -> Any:

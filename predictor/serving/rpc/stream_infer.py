@@ -1,5 +1,5 @@
-"""Triton's `ModelStreamInfer`, `ModelConfig`, `ModelStatistics` and `RepositoryIndex`, served
-beside KServe's servicer on the same gRPC server.
+"""Triton's `ModelStreamInfer` (and, through `stream_handler`, the RPCs of `triton_admin.py`),
+served beside KServe's servicer on the same gRPC server.
 
 Several requests may share one stream; each runs concurrently and its responses carry its `id`.
 Every response has the bool parameter `triton_final_response`; a request that sets
@@ -22,31 +22,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from grpc import aio
 from kserve import InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
-from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
 
-from predictor.protocols import v2 as codecs
-from predictor.protocols.triton import tensors as triton_codec
-from predictor.protocols.triton import responses as triton_responses
-from predictor.protocols.triton import status as triton_status
-from predictor.errors import (
-    SERVER_FAULT,
-    InvalidRequest,
-    Overloaded,
-    PredictorError,
-    message_of,
-    status_of,
-)
+from predictor.errors import SERVER_FAULT, InvalidRequest, Overloaded, PredictorError
 from predictor.pb import triton_model_pb2 as tpb
 from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
-from predictor.serving.rest.oip import Resolve, ready_model, whole
-from predictor.serving.rest.triton_admin import Models, find, selected, view
+from predictor.protocols.triton import requests as v2_requests
+from predictor.protocols.triton import responses as v2_responses
+from predictor.protocols.v2 import plain_parameters
+from predictor.serving.errors import grpc_status
+from predictor.serving.rpc.interceptors import Undecodable
+from predictor.serving.rpc.triton_admin import TritonStatusServicer
+from predictor.serving.served import Models, Resolve, ready_model
+from predictor.serving.streaming import emitted, first_event, one_prompt, whole
 
 log = logging.getLogger(__name__)
 
@@ -54,69 +47,6 @@ SERVICE = "inference.GRPCInferenceService"
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
 SLOW_READER_GRACE_S = 1.0  # how long a token response may wait for room in a full stream queue
-
-
-class Undecodable:
-    """Stands for a message that could not be parsed (see DecodeGuard)."""
-
-    id = ""
-    model_name = ""
-
-
-UNDECODABLE = Undecodable()
-
-
-class DecodeGuard(aio.ServerInterceptor):
-    """An undecodable message is the client's fault: unary calls end INVALID_ARGUMENT (grpc
-    would say INTERNAL), ModelStreamInfer answers it with a per-request error_message."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or handler.request_deserializer is None:
-            return handler
-        decode = handler.request_deserializer
-
-        def lenient(data: bytes) -> Any:
-            try:
-                return decode(data)
-            except Exception:
-                return UNDECODABLE
-
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
-
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                if request is UNDECODABLE:
-                    await context.abort(
-                        grpc.StatusCode.INVALID_ARGUMENT, "the request message cannot be decoded"
-                    )
-                return await inner(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(unary, lenient, handler.response_serializer)
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                handler.stream_stream, lenient, handler.response_serializer
-            )
-        return handler
-
-
-class StatusInterceptor(ExceptionToStatusInterceptor):
-    """KServe's exception interceptor, with our errors mapped by `errors.STATUS_TABLE` (server
-    faults: INTERNAL with a short message; the detail goes to the log)."""
-
-    async def handle_exception(
-        self, ex: Exception, request_or_iterator: Any, context: Any, method_name: str
-    ) -> None:
-        if isinstance(ex, PredictorError):
-            code = getattr(grpc.StatusCode, status_of(ex).grpc)
-            if code is grpc.StatusCode.INTERNAL:
-                log.error("%s failed: %s", method_name, ex)
-            await context.abort(code, message_of(ex))
-        await super().handle_exception(ex, request_or_iterator, context, method_name)
 
 
 class StreamInferServicer:
@@ -163,7 +93,7 @@ class StreamInferServicer:
         try:
             await self._answer(request, out)
         except PredictorError as exc:
-            await out.put(error(request, message_of(exc)))
+            await out.put(error(request, grpc_status(exc)[1]))
         except Exception:  # every request gets an answer, whatever went wrong
             log.exception("ModelStreamInfer request %r failed", request.id)
             await out.put(error(request, SERVER_FAULT))
@@ -176,34 +106,28 @@ class StreamInferServicer:
             v2 = InferRequest.from_grpc(request)
         except Exception as exc:  # an unknown datatype, contents that do not fit the shape
             raise InvalidRequest(f"not a valid inference request: {exc}") from exc
-        decoded = triton_codec.decode_infer_request(v2, model.default_max_tokens, streaming=True)
-        (req, *more) = decoded.requests
-        if more:
-            raise InvalidRequest("ModelStreamInfer takes one text_input element per request")
-        empty_final = bool(codecs.plain_parameters(request.parameters).get(EMPTY_FINAL))
-        every_token = triton_responses.wants_every_token(decoded)
+        decoded = v2_requests.decode_infer_request(v2, model.limits, streaming=True)
+        req = one_prompt(decoded.requests, "ModelStreamInfer")
+        empty_final = bool(plain_parameters(request.parameters).get(EMPTY_FINAL))
         events = model.stream(req, "grpc")
         if not decoded.stream:
-            events = whole(events, lambda c: triton_responses.whole_event(decoded, c))
+            events = whole(events, lambda c: v2_responses.whole_event(decoded, c))
         try:
-            async for event in events:
+            every_token = v2_responses.wants_every_token(decoded)
+            async for event in emitted(await first_event(events), events, every_token):
                 if event.error is not None:
                     await out.put(error(request, event.error))
                     return
-                if event.text or event.final or (every_token and event.token_ids):
-                    final = event.final and not empty_final
-                    response = triton_responses.encode_stream_response(
-                        v2, model.name, decoded, event
-                    )
-                    message = stream_response(response.to_grpc(), final)
-                    if event.final:  # nothing left to generate: wait for room
-                        await out.put(message)
-                    else:
-                        await self._offer(out, message)
+                response = v2_responses.encode_stream_response(v2, model.name, decoded, event)
+                message = stream_response(response.to_grpc(), event.final and not empty_final)
+                if event.final:  # nothing left to generate: wait for room
+                    await out.put(message)
+                else:
+                    await self._offer(out, message)
                 if event.final and empty_final:
                     await out.put(empty_final_response(request, model.name))
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
 
     async def _offer(self, out: asyncio.Queue[Any], message: ModelStreamInferResponse) -> None:
         """Queue a token response, or raise Overloaded (cancelling the request) when the reader
@@ -239,37 +163,6 @@ def error(request: pb.ModelInferRequest, message: str) -> ModelStreamInferRespon
     response = pb.ModelInferResponse(id=request.id, model_name=request.model_name)
     response.parameters[FINAL].bool_param = True
     return ModelStreamInferResponse(error_message=message, infer_response=response)
-
-
-class TritonStatusServicer:
-    """ModelConfig, ModelStatistics, RepositoryIndex: Triton's RPCs that KServe's servicer lacks."""
-
-    def __init__(self, resolve: Resolve, models: Models) -> None:
-        self._resolve = resolve
-        self._models = models
-
-    async def model_config(
-        self, request: tpb.ModelConfigRequest, context: grpc.aio.ServicerContext
-    ) -> tpb.ModelConfigResponse:
-        try:
-            model = find(self._resolve, request.name, request.version)
-        except PredictorError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return triton_status.config_message(view(model))
-
-    async def model_statistics(
-        self, request: tpb.ModelStatisticsRequest, context: grpc.aio.ServicerContext
-    ) -> tpb.ModelStatisticsResponse:
-        try:
-            chosen = selected(self._resolve, self._models, request.name, request.version)
-        except PredictorError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        return triton_status.statistics_message([view(m) for m in chosen])
-
-    async def repository_index(
-        self, request: tpb.RepositoryIndexRequest, context: grpc.aio.ServicerContext
-    ) -> tpb.RepositoryIndexResponse:
-        return triton_status.index_message([view(m) for m in self._models()], request.ready)
 
 
 def stream_handler(

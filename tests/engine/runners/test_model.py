@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from predictor.engine.runners.model import ModelRunner, StepRow
+from predictor.engine.runners.model import ModelRunner
+from predictor.engine.step import StepRow
 
 
 def step_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:

@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 import torch
 
-from predictor.engine.runners import native
-from predictor.engine.runners.model import ModelRunner, StepRow
 from predictor.config import Settings
-from tests.engine.test_runner import step_logits
+from predictor.engine.runners import native
+from predictor.engine.runners.model import ModelRunner
+from predictor.engine.step import StepRow
+from tests.engine.runners.test_model import step_logits
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")),

@@ -6,13 +6,9 @@ from typing import Any
 
 import pytest
 
-from predictor.protocols.openai.requests import (
-    CHAT_SCHEMA,
-    COMPLETION_SCHEMA,
-    InvalidField,
-    decode_chat,
-    decode_completion,
-)
+from predictor.errors import InvalidRequest as InvalidField
+from predictor.protocols.openai.requests import decode_chat, decode_completion
+from predictor.protocols.schemas import CHAT_SCHEMA, COMPLETION_SCHEMA
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -115,7 +111,8 @@ def test_chat_logprobs_without_top() -> None:
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages[0].content",
         ),
-        ({"repetition_penalty": 1.1}, "repetition_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),  # must be positive
+        ({"length_penalty": 1.1}, "length_penalty"),  # vLLM's beam search: not here
         ({"model": 5}, "model"),
         ({"audio": {"voice": "x"}}, "audio"),
     ],

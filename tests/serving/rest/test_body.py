@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
 from predictor.serving.rest.body import BodyGuard, parsed_body
-from predictor.serving.rest.oip import read_json
+from predictor.serving.rest.body import read_json
 
 
 async def route(scope: Scope, receive: Receive, send: Send) -> None:

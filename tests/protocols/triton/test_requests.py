@@ -1,4 +1,4 @@
-"""Triton's request conventions: generate top-level keys, vLLM / TensorRT-LLM input tensors."""
+"""V2 requests with Triton's conventions (vLLM / TensorRT-LLM input tensors) and the responses."""
 
 from __future__ import annotations
 
@@ -14,62 +14,16 @@ from kserve import InferInput, InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 from kserve.protocol.infer_type import RequestedOutput, deserialize_bytes_tensor
 
-from predictor.protocols.triton import tensors as triton_codec
-from predictor.protocols.triton import responses as triton_responses
 from predictor.errors import InvalidRequest
+from predictor.protocols.limits import Limits
+from predictor.protocols.triton import requests as v2_requests
+from predictor.protocols.triton import responses as triton_responses
+from predictor.protocols.triton import tensors as triton_tensors
+from tests.protocols.test_generate import accepted_is_clean
 from predictor.types import Completion, FinishReason, TokenEvent, Usage
 
 
-def generate(body: dict[str, Any], streaming: bool = False) -> tuple[Any, bool]:
-    return triton_codec.decode_generate_request(body, 64, streaming)
-
-
-def test_generate_top_level_sampling_keys() -> None:
-    req, stream = generate(
-        {"text_input": "hi", "max_tokens": 20, "temperature": 0.5, "top_p": 0.9, "top_k": 4,
-         "seed": 3, "stop": ["x"], "ignore_eos": True, "min_tokens": 2,
-         "parameters": {"chat": True}}
-    )  # fmt: skip
-    p = req.params
-    assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed, p.stop) == (
-        20, 0.5, 0.9, 4, 3, ("x",),
-    )  # fmt: skip
-    assert p.ignore_eos and p.min_tokens == 2 and req.chat and stream is False
-
-
-def test_generate_parameters_object_still_works() -> None:
-    req, _ = generate({"text_input": "hi", "parameters": {"max_tokens": 7, "anything": 1}})
-    assert req.params.max_tokens == 7
-
-
-@pytest.mark.parametrize(
-    ("body", "message"),
-    [
-        ({"text_input": "hi", "max_tokens": 5, "parameters": {"max_tokens": 5}}, "ambiguous"),
-        ({"text_input": "hi", "max_token": 5}, "unknown key 'max_token'"),
-        ({"text_input": "hi", "stop": ["a"], "stop_words": ["b"]}, "ambiguous"),
-        ({"text_input": "hi", "bad_words": ["no"]}, "bad_words"),
-        ({"text_input": "hi", "stream": True}, "generate_stream"),
-        ({"text_input": "hi", "stream": "yes"}, "'stream' must be a boolean"),
-        ({"text_input": "hi", "max_tokens": "5"}, "max_tokens"),
-    ],
-)
-def test_generate_refusals_name_the_key(body: dict[str, Any], message: str) -> None:
-    with pytest.raises(InvalidRequest, match=message):
-        generate(body)
-
-
-def test_generate_tensorrt_llm_example_body() -> None:
-    # Triton's TensorRT-LLM example: {"text_input", "max_tokens", "bad_words": "", "stop_words": ""}
-    req, _ = generate({"text_input": "hi", "max_tokens": 20, "bad_words": "", "stop_words": ""})
-    assert req.params.max_tokens == 20 and req.params.stop == ()
-    req, _ = generate({"text_input": "hi", "stop_words": ["\n", ""]})
-    assert req.params.stop == ("\n",)
-
-
-def test_generate_stream_flag_on_the_streaming_route() -> None:
-    assert generate({"text_input": "hi"}, streaming=True)[1] is True
-    assert generate({"text_input": "hi", "stream": False}, streaming=True)[1] is False
+LIMITS = Limits(default_max_tokens=64, max_json_depth=32)
 
 
 # -- V2 tensors ---------------------------------------------------------------------------------
@@ -92,8 +46,8 @@ def sampling(params: dict[str, Any]) -> InferInput:
     return tensor("sampling_parameters", "BYTES", [json.dumps(params)])
 
 
-def decode(request: InferRequest, streaming: bool = False) -> triton_codec.V2Request:
-    return triton_codec.decode_infer_request(request, 64, streaming)
+def decode(request: InferRequest, streaming: bool = False) -> v2_requests.V2Request:
+    return v2_requests.decode_infer_request(request, LIMITS, streaming)
 
 
 def test_vllm_sampling_parameters_with_string_values() -> None:
@@ -247,31 +201,7 @@ json_values = st.recursive(
                                                                 max_size=3),
     max_leaves=8,
 )  # fmt: skip
-keys = st.sampled_from([*triton_codec.GENERATE_KEYS, "id", "text_input", "parameters", "other"])
-
-
-@given(body=st.dictionaries(keys, json_values), streaming=st.booleans())
-@settings(max_examples=300, deadline=None, derandomize=True)
-def test_generate_fuzz(body: dict[str, Any], streaming: bool) -> None:
-    try:
-        request, stream = triton_codec.decode_generate_request(body, 16, streaming)
-    except InvalidRequest as exc:
-        assert str(exc)
-        return
-    assert request.prompt and request.params.max_tokens >= 1 and isinstance(stream, bool)
-    accepted_is_clean(request)
-
-
-def accepted_is_clean(request: Any) -> None:
-    """What the codecs let through is finite and valid Unicode."""
-    request.prompt.encode()
-    for s in request.params.stop:
-        s.encode()
-    p = request.params
-    assert all(math.isfinite(x) for x in (p.temperature, p.top_p, request.timeout or 0.0))
-
-
-tensor_names = st.sampled_from([spec.name for spec in triton_codec.INPUTS] + ["image"])
+tensor_names = st.sampled_from([spec.name for spec in triton_tensors.INPUTS] + ["image"])
 tensors = st.builds(
     lambda name, datatype, values: tensor(name, datatype, values),
     tensor_names,

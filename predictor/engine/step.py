@@ -1,0 +1,34 @@
+"""What one forward pass is made of, and the face every runner shows the step loop.
+
+No torch here (only `engine/runners/` and `engine/sampling.py` import it at run time): the step
+loop, the scheduler's tests and the null runner share these types without loading a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # annotations only
+    import torch
+
+
+@dataclass
+class StepRow:
+    """One row's part of a forward pass."""
+
+    blocks: Sequence[int]  # the row's block table, covering positions [0, start + len(tokens))
+    start: int  # position of tokens[0]: how many of the row's tokens the cache already holds
+    tokens: Sequence[int]  # fed this step: 1 for a decode row, a prompt chunk for a prefill row
+    logits: bool  # whether the step must return logits for the last of `tokens`
+
+
+class Runner(Protocol):
+    device: torch.device
+
+    def bind_thread(self) -> None: ...
+
+    def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """logits: [rows that asked for them, vocab], in the order of `rows`."""
+        ...

@@ -1,0 +1,273 @@
+"""Every sampling parameter and request option, in one table, and the one validator over it.
+
+A row says a key's type, range, default, aliases and which protocols take it; the V2 / OIP /
+Triton decoders and OpenAI's bodies all read their keys through `read`, and the OpenAPI
+document (`protocols/schemas.py`) is generated from the same rows. A new parameter is one row
+here (plus its field in `types.SamplingParams` and, for a sampler term, `engine/sampling.py`).
+
+Protocols: `v2` (V2 infer / infer_stream / ModelStreamInfer `parameters`), `generate` (the OIP
+generate body: `parameters` and Triton's top-level keys), `triton` (the vLLM backend's
+`sampling_parameters` JSON and one-element input tensors named like parameters, as the
+TensorRT-LLM backend takes them) and `openai` (completions and chat bodies).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
+
+from predictor.errors import InvalidRequest
+from predictor.protocols.limits import check_plain
+from predictor.types import SamplingParams
+
+Kind = Literal["integer", "number", "boolean", "stop"]
+ProtocolName = Literal["v2", "generate", "triton", "openai"]
+ALL: frozenset[str] = frozenset({"v2", "generate", "triton", "openai"})
+OIP: frozenset[str] = frozenset({"v2", "generate", "triton"})
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256
+SEED_LIMIT = 2**63  # seeds are non-negative 64-bit integers
+
+
+@dataclass(frozen=True)
+class Parameter:
+    name: str
+    kind: Kind
+    default: Any  # None: none (seed, timeout) or, for max_tokens, the server's default
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # the range excludes `low`
+    high_open: bool = False  # the range excludes `high`
+    aliases: tuple[str, ...] = ()  # other names of the key (TensorRT-LLM's), in OIP protocols
+    protocols: frozenset[str] = ALL
+    tensor: str | None = None  # the V2 datatype of its Triton input tensor, if it has one
+    # per protocol, fields that differ there (OpenAI's temperature: default 1, at most 2)
+    overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+    sampling: bool = True  # a SamplingParams field (else a request option: chat, timeout)
+
+    def within(self, value: float) -> bool:
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or not (
+            value > self.high or (self.high_open and value == self.high)
+        )
+
+    def range_text(self) -> str:
+        low = "-inf" if self.low is None else _number_text(self.low)
+        high = "inf" if self.high is None else _number_text(self.high)
+        return f"{'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() and abs(value) < 2**53 else str(value)
+
+
+TABLE: tuple[Parameter, ...] = (
+    Parameter("max_tokens", "integer", None, "most tokens to generate (default: the server's "
+              "--default-max-tokens; capped by --max-tokens-limit)", low=1, tensor="INT32"),
+    Parameter("temperature", "number", 0.0, "0 is greedy", low=0, high=100, tensor="FP32",
+              overrides=(("openai", (("default", 1.0), ("high", 2))),)),
+    Parameter("top_p", "number", 1.0, "nucleus sampling mass", low=0, high=1, low_open=True,
+              tensor="FP32"),
+    Parameter("top_k", "integer", 0, "sample from the k most likely tokens (0: off)", low=0,
+              tensor="INT32", overrides=(("openai", (("low", -1),)),)),  # vLLM: -1 is off too
+    Parameter("seed", "integer", None, "seed of the request's own generator", low=0,
+              high=SEED_LIMIT, high_open=True, aliases=("random_seed",), tensor="UINT64"),
+    Parameter("stop", "stop", (), f"a string or up to {MAX_STOP_STRINGS} strings that end the "
+              "text (over gRPC: a string holding a JSON list)", aliases=("stop_words",),
+              tensor="BYTES"),
+    Parameter("ignore_eos", "boolean", False, "keep generating past end-of-sequence tokens",
+              tensor="BOOL"),
+    Parameter("min_tokens", "integer", 0, "tokens before end-of-sequence or a stop string may "
+              "end the text", low=0, aliases=("min_length",), tensor="INT32"),
+    Parameter("presence_penalty", "number", 0.0, "subtracted once from each generated token's "
+              "logit (OpenAI)", low=-2, high=2, tensor="FP32"),
+    Parameter("frequency_penalty", "number", 0.0, "subtracted per occurrence in the generated "
+              "text (OpenAI)", low=-2, high=2, tensor="FP32"),
+    Parameter("repetition_penalty", "number", 1.0, "divides positive and multiplies negative "
+              "logits of prompt and generated tokens (HF, vLLM, TGI; 1: off, > 1 penalises)",
+              low=0, low_open=True, tensor="FP32"),
+    Parameter("chat", "boolean", False, "apply the model's chat template to the prompt",
+              protocols=OIP, sampling=False),
+    Parameter("timeout", "number", None, "seconds the request may run", low=0, low_open=True,
+              protocols=OIP, sampling=False),
+)  # fmt: skip
+
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+assert all(p.name in _SAMPLING_FIELDS for p in TABLE if p.sampling), "a row without its field"
+
+
+def rows(protocol: str) -> tuple[Parameter, ...]:
+    """The rows a protocol takes, with that protocol's overrides applied."""
+    out = []
+    for row in TABLE:
+        if protocol not in row.protocols:
+            continue
+        changes = dict(next((c for p, c in row.overrides if p == protocol), ()))
+        out.append(replace(row, **changes) if changes else row)
+    return tuple(out)
+
+
+def _keys(row: Parameter, protocol: str) -> tuple[str, ...]:
+    return (row.name, *row.aliases) if protocol in OIP else (row.name,)
+
+
+def names(protocol: str) -> tuple[str, ...]:
+    """The keys a protocol takes (aliases included)."""
+    return tuple(n for row in rows(protocol) for n in _keys(row, protocol))
+
+
+def _by_name(protocol: str) -> dict[str, Parameter]:
+    return {n: row for row in rows(protocol) for n in _keys(row, protocol)}
+
+
+@dataclass(frozen=True)
+class Values:
+    """A request's parameters, checked: its sampling and its options."""
+
+    sampling: SamplingParams
+    chat: bool = False
+    timeout: float | None = None
+
+
+def read(
+    params: Mapping[str, Any],
+    protocol: str,
+    default_max_tokens: int,
+    coerce: bool = False,
+    max_depth: int = 32,
+) -> Values:
+    """Check every key of the table in `params` and build the request's values.
+
+    Keys the table does not have are left alone (the caller refuses or ignores them). A key and
+    its alias with different values are ambiguous. `coerce`: strings become numbers or booleans
+    ("0.1", "true") as the Triton vLLM backend converts them. `max_depth` bounds a stop list given
+    as a JSON string.
+    """
+    table = _by_name(protocol)
+    given: dict[str, tuple[str, Any]] = {}
+    for key, value in params.items():
+        row = table.get(key)
+        if row is None or value is None:  # absent, or JSON null: the default
+            continue
+        if key == "stop_words" and value in ("", [], [""]):  # TensorRT-LLM's "none"
+            continue
+        value = _coerced(row, value) if coerce else value
+        if row.name in given and given[row.name][1] != value:
+            raise InvalidRequest(
+                f"'{given[row.name][0]}' and '{key}' are both given with different values: "
+                "the request is ambiguous",
+                param=key,
+            )
+        given.setdefault(row.name, (key, value))
+    out: dict[str, Any] = {}
+    for row in rows(protocol):
+        if row.name in given:
+            key, value = given[row.name]
+            out[row.name] = _check(row, key, value, max_depth)
+        else:
+            out[row.name] = row.default
+    if out.get("max_tokens") is None:
+        out["max_tokens"] = default_max_tokens
+    if not 0 <= out.get("min_tokens", 0) <= out["max_tokens"]:
+        raise InvalidRequest(
+            f"parameter 'min_tokens' must be between 0 and max_tokens ({out['max_tokens']}), "
+            f"got {out['min_tokens']}",
+            param="min_tokens",
+        )
+    out["top_k"] = max(out.get("top_k", 0), 0)  # -1 (vLLM, OpenAI) is off, as 0 is
+    sampling = SamplingParams(**{k: v for k, v in out.items() if k in _SAMPLING_FIELDS})
+    return Values(sampling, bool(out.get("chat", False)), out.get("timeout"))
+
+
+def _check(row: Parameter, key: str, value: Any, max_depth: int) -> Any:
+    if row.kind == "stop":
+        return _stop(key, value, max_depth)
+    if row.kind == "boolean":
+        if not isinstance(value, bool):
+            raise InvalidRequest(f"parameter '{key}' must be a boolean, got {value!r}", param=key)
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = "an integer" if row.kind == "integer" else "a number"
+        raise InvalidRequest(f"parameter '{key}' must be {kind}, got {value!r}", param=key)
+    if not math.isfinite(value):
+        raise InvalidRequest(f"parameter '{key}' must be finite", param=key)
+    if row.kind == "integer":
+        if int(value) != value:
+            raise InvalidRequest(f"parameter '{key}' must be an integer, got {value!r}", param=key)
+        value = int(value)
+    else:
+        value = float(value)
+    if not row.within(value):
+        raise InvalidRequest(
+            f"parameter '{key}' must be in {row.range_text()}, got {value!r}", param=key
+        )
+    return value
+
+
+def _stop(key: str, value: Any, max_depth: int) -> tuple[str, ...]:
+    if isinstance(value, str):
+        # gRPC maps carry no lists: a JSON array in a string parameter is accepted too
+        if value.startswith("["):
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError) as exc:
+                raise InvalidRequest(f"parameter '{key}' is not a valid JSON array") from exc
+            check_plain(value, max_depth, where=f"parameter '{key}'")
+        else:
+            value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequest(f"parameter '{key}' must be a string or a list of strings", param=key)
+    if key == "stop_words":  # TensorRT-LLM sends "" for none
+        value = [s for s in value if s != ""]
+    if len(value) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"parameter '{key}' has {len(value)} strings; at most {MAX_STOP_STRINGS}", param=key
+        )
+    if any(len(s) > MAX_STOP_LENGTH for s in value):
+        raise InvalidRequest(
+            f"each stop string must be at most {MAX_STOP_LENGTH} characters", param=key
+        )
+    if any(s == "" for s in value):
+        raise InvalidRequest("stop strings must not be empty", param=key)
+    return tuple(value)
+
+
+def _coerced(row: Parameter, value: Any) -> Any:
+    """A string value for a numeric or boolean key, as the vLLM backend converts it ("0.1")."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if row.kind == "integer" and re.fullmatch(r"[+-]?\d+", text):
+        return int(text)
+    if row.kind == "number":
+        try:
+            return float(text)
+        except ValueError:
+            return value
+    if row.kind == "boolean" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return value
+
+
+def coerced(key: str, value: Any, protocol: str) -> Any:
+    """`value` as `read(coerce=True)` would take it (for comparing one key given twice)."""
+    row = _by_name(protocol).get(key)
+    return value if row is None else _coerced(row, value)
+
+
+def canonical(key: str, protocol: str) -> str:
+    """The row name a key (or alias) stands for; unknown keys stand for themselves."""
+    row = _by_name(protocol).get(key)
+    return key if row is None else row.name
+
+
+def tensor_rows() -> dict[str, Parameter]:
+    """Triton input tensor name -> its row: every name and alias of a row with a tensor."""
+    return {n: row for row in rows("triton") if row.tensor for n in (row.name, *row.aliases)}
