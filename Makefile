@@ -52,6 +52,7 @@ lint: install
 	$(BIN)/ruff check predictor tests load
 	$(BIN)/ruff format --check predictor tests load
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 load: install model
 	$(BIN)/python -m load.run_load --users $(USERS) --seconds $(SECONDS)

@@ -110,10 +110,10 @@ def main() -> None:
     from prometheus_client import CollectorRegistry
 
     from predictor.__main__ import build_engine
-    from predictor.engine.async_engine import AsyncEngine
-    from predictor.observability.metrics import Metrics
-    from predictor.model.loader import load_checkpoint
     from predictor.config import Settings
+    from predictor.engine.async_engine import AsyncEngine
+    from predictor.model.loader import load_checkpoint
+    from predictor.observability.metrics import Metrics
     from predictor.types import GenerateRequest, SamplingParams
 
     # As the server does: one torch thread on the main thread; parallel torch work only on the

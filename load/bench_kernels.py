@@ -104,7 +104,8 @@ class Rows:
     def __init__(self, model: Any, batch: int, context: int, seed: int = 0) -> None:
         import torch
 
-        from predictor.engine.runners.model import ModelRunner, StepRow
+        from predictor.engine.runners.model import ModelRunner
+        from predictor.engine.step import StepRow
 
         self.block = 16
         per_row = (context + 1 + self.block - 1) // self.block

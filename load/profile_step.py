@@ -64,7 +64,8 @@ class PagedRows:
         import torch
 
         from predictor.engine.kv_cache import BlockAllocator, blocks_for
-        from predictor.engine.runners.model import ModelRunner, StepRow
+        from predictor.engine.runners.model import ModelRunner
+        from predictor.engine.step import StepRow
 
         self.StepRow = StepRow
         per_row = 1 + (max(map(len, rows)) + 256) // 16

@@ -159,3 +159,28 @@ def test_row_max_equals_torch_max_with_ties_and_nan() -> None:
         want_values, want_indices = x.max(dim=-1)
         assert torch.equal(indices, want_indices)
         assert torch.equal(values.nan_to_num(), want_values.nan_to_num())
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    # HF's RepetitionPenaltyLogitsProcessor over prompt + generated ids (what vLLM and TGI do)
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    x = logits()
+    prompt, output = [5, 7, 7, 900], [3, 5, 11]
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(
+        torch.tensor([prompt + output]), x[:1].clone()
+    )[0]
+    chosen_rows = [
+        Row(SamplingParams(repetition_penalty=1.7), None, output, prompt),  # greedy, penalised
+        Row(SamplingParams(), None, output, prompt),  # untouched
+    ]
+    greedy = sample(x[:2].clone(), chosen_rows, ()).tokens
+    assert greedy[0] == int(expected.argmax()) and greedy[1] == int(x[1].argmax())
+    from predictor.engine.sampling import _penalize
+
+    penalised = _penalize(x[:1].clone(), chosen_rows[:1])[0]
+    assert torch.equal(penalised, expected)
+    # a penalty strong enough always moves the argmax off a token it has seen
+    top = int(x[0].argmax())
+    strong = Row(SamplingParams(repetition_penalty=1e6), None, [top], [])
+    assert sample(x[:1].clone(), [strong], ()).tokens[0] != top

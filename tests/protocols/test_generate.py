@@ -13,7 +13,6 @@ from predictor.errors import InvalidRequest
 from predictor.protocols import generate as oip
 from predictor.protocols.limits import Limits, check_plain
 
-
 LIMITS = Limits(default_max_tokens=64, max_json_depth=32)
 
 

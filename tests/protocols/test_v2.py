@@ -89,9 +89,7 @@ def test_bad_parameters(parameters: dict) -> None:
 
 def test_bad_inputs() -> None:
     with pytest.raises(InvalidRequest, match="missing"):
-        decode(
-            InferRequest(model_name="m", infer_inputs=[], request_id="r"), 64
-        )
+        decode(InferRequest(model_name="m", infer_inputs=[], request_id="r"), 64)
     with pytest.raises(InvalidRequest, match="BYTES"):
         decode(_request([1], datatype="INT32"), 64)  # type: ignore[list-item]
     with pytest.raises(InvalidRequest, match="empty"):

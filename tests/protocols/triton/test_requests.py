@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import numpy as np
@@ -19,9 +18,8 @@ from predictor.protocols.limits import Limits
 from predictor.protocols.triton import requests as v2_requests
 from predictor.protocols.triton import responses as triton_responses
 from predictor.protocols.triton import tensors as triton_tensors
-from tests.protocols.test_generate import accepted_is_clean
 from predictor.types import Completion, FinishReason, TokenEvent, Usage
-
+from tests.protocols.test_generate import accepted_is_clean
 
 LIMITS = Limits(default_max_tokens=64, max_json_depth=32)
 

@@ -10,8 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from predictor.serving.rest.body import BodyGuard, parsed_body
-from predictor.serving.rest.body import read_json
+from predictor.serving.rest.body import BodyGuard, parsed_body, read_json
 
 
 async def route(scope: Scope, receive: Receive, send: Send) -> None:
