@@ -224,9 +224,27 @@ SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024
 
 @pytest.fixture(scope="module")
 def small_queue(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
-    extra = ["--stream-queue-size", str(STREAM_QUEUE), "--max-tokens-limit", "1000"]
+    extra = ["--stream-queue-size", str(STREAM_QUEUE), "--max-tokens-limit", "1000",
+             "--max-json-depth", "64"]  # fmt: skip
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
         yield srv
+
+
+def test_max_json_depth_is_the_one_limit(small_queue: ServerProcess) -> None:
+    """--max-json-depth 64: a generate body 40 deep is served (the codecs once walked every body
+    again with a fixed 32 and refused it), one 70 deep is refused at the edge."""
+
+    def nested(depth: int) -> object:
+        value: object = "x"
+        for _ in range(depth - 3):  # the body and `parameters` are two levels, the list one more
+            value = [value]
+        return {"text_input": "hi", "parameters": {"max_tokens": 2, "client": value}}
+
+    url = f"{small_queue.base_url}/v2/models/tiny/generate"
+    deep = httpx.post(url, json=nested(40), timeout=60)
+    assert deep.status_code == 200, deep.text
+    too_deep = httpx.post(url, json=nested(70), timeout=60)
+    assert too_deep.status_code == 400 and "deeper than 64" in too_deep.json()["error"]
 
 
 def test_a_stream_nobody_reads_is_cancelled_not_buffered(small_queue: ServerProcess) -> None:
