@@ -70,22 +70,23 @@ def prompts(request: InferRequest) -> list[str]:
         raise InvalidRequest(f"input '{TEXT_INPUT}' cannot be read: {exc}") from exc
     if not values:
         raise InvalidRequest(f"input '{TEXT_INPUT}' is empty")
-    texts = [_text(v) for v in values]
+    texts = [text_of(v, TEXT_INPUT) for v in values]
     if any(not p for p in texts):
         raise InvalidRequest(f"input '{TEXT_INPUT}' must not contain empty strings")
     return texts
 
 
-def _text(value: Any) -> str:
+def text_of(value: Any, name: str) -> str:
+    """One element of a BYTES tensor as text: UTF-8 bytes (gRPC) or a string (REST JSON)."""
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise InvalidRequest(f"{TEXT_INPUT} is not valid UTF-8: {exc}") from exc
+            raise InvalidRequest(f"input '{name}' is not valid UTF-8: {exc}") from exc
     if isinstance(value, str):
-        check_string(value, TEXT_INPUT)
+        check_string(value, f"input '{name}'")
         return value
-    raise InvalidRequest(f"{TEXT_INPUT} elements must be strings")
+    raise InvalidRequest(f"input '{name}' must hold strings")
 
 
 def details(finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from predictor.protocols.triton.tensors import (
     SAMPLING_PARAMETERS,
     STREAM,
 )
-from predictor.protocols.v2 import TEXT_OUTPUT, plain_parameters, prompts
+from predictor.protocols.v2 import TEXT_OUTPUT, plain_parameters, prompts, text_of
 from predictor.types import GenerateRequest
 
 PROTOCOL = "v2"  # V2 parameters; sampling_parameters takes the "triton" rows
@@ -143,19 +143,8 @@ def _values(tensor: InferInput) -> list[Any]:
         raise InvalidRequest(f"input '{tensor.name}' cannot be read: {exc}") from exc
 
 
-def _text(value: Any, name: str) -> str:
-    if isinstance(value, bytes):
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidRequest(f"input '{name}' is not valid UTF-8") from exc
-    if isinstance(value, str):
-        return value
-    raise InvalidRequest(f"input '{name}' must hold strings")
-
-
 def _sampling_parameters(tensors: Mapping[str, InferInput], max_depth: int) -> dict[str, Any]:
-    raw = _text(_scalar(tensors[SAMPLING_PARAMETERS], "BYTES"), SAMPLING_PARAMETERS)
+    raw = text_of(_scalar(tensors[SAMPLING_PARAMETERS], "BYTES"), SAMPLING_PARAMETERS)
     try:
         params = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -184,7 +173,7 @@ def _parameter_tensors(tensors: Mapping[str, InferInput]) -> list[tuple[str, dic
         if row.kind == "stop":
             if tensor.datatype != "BYTES":
                 raise InvalidRequest(f"input '{name}' must have datatype BYTES")
-            words = [_text(v, name) for v in _values(tensor)]
+            words = [text_of(v, name) for v in _values(tensor)]
             if name == "stop_words":  # TensorRT-LLM sends "" for none
                 words = [w for w in words if w]
             if not words:

@@ -19,7 +19,7 @@ from predictor.protocols.triton import requests as v2_requests
 from predictor.protocols.triton import responses as triton_responses
 from predictor.protocols.triton import tensors as triton_tensors
 from predictor.types import Completion, FinishReason, TokenEvent, Usage
-from tests.protocols.test_generate import accepted_is_clean
+from tests.protocols.test_generate import accepted_is_clean, any_text
 
 LIMITS = Limits(default_max_tokens=64, max_json_depth=32)
 
@@ -192,13 +192,6 @@ def test_whole_event_counts_every_token() -> None:
 
 # -- fuzz: whatever arrives is accepted or refused with a reason ---------------------------------
 
-any_text = st.text(st.characters(exclude_categories=()), max_size=12)  # lone surrogates too
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | any_text,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=3),
-    max_leaves=8,
-)  # fmt: skip
 tensor_names = st.sampled_from([spec.name for spec in triton_tensors.INPUTS] + ["image"])
 tensors = st.builds(
     lambda name, datatype, values: tensor(name, datatype, values),
