@@ -75,7 +75,9 @@ def decode_generate_request(
         merged, PROTOCOL, limits.default_max_tokens, max_depth=limits.max_json_depth
     )
     rid = str(request_id) if request_id is not None else uuid.uuid4().hex
-    request = GenerateRequest(rid, prompt, values.sampling, values.chat, values.timeout)
+    request = GenerateRequest(
+        rid, prompt, values.sampling, values.chat, values.timeout, cache_salt=values.cache_salt
+    )
     return request, streaming if stream is None else stream
 
 

@@ -24,7 +24,7 @@ from predictor.errors import InvalidRequest
 from predictor.protocols.limits import check_plain
 from predictor.types import SamplingParams
 
-Kind = Literal["integer", "number", "boolean", "stop"]
+Kind = Literal["integer", "number", "boolean", "stop", "string"]
 ProtocolName = Literal["v2", "generate", "triton", "openai"]
 ALL: frozenset[str] = frozenset({"v2", "generate", "triton", "openai"})
 OIP: frozenset[str] = frozenset({"v2", "generate", "triton"})
@@ -32,6 +32,7 @@ OIP: frozenset[str] = frozenset({"v2", "generate", "triton"})
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 SEED_LIMIT = 2**63  # seeds are non-negative 64-bit integers
+MAX_SALT_LENGTH = 256
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Parameter:
     kind: Kind
     default: Any  # None: none (seed, timeout) or, for max_tokens, the server's default
     help: str
-    low: float | None = None
+    low: float | None = None  # a string's length: low and high bound it
     high: float | None = None
     low_open: bool = False  # the range excludes `low`
     high_open: bool = False  # the range excludes `high`
@@ -97,6 +98,9 @@ TABLE: tuple[Parameter, ...] = (
               protocols=OIP, sampling=False),
     Parameter("timeout", "number", None, "seconds the request may run", low=0, low_open=True,
               protocols=OIP, sampling=False),
+    Parameter("cache_salt", "string", None, "requests share cached prompt blocks only with the "
+              f"same salt (vLLM's; 1 to {MAX_SALT_LENGTH} characters)", low=1,
+              high=MAX_SALT_LENGTH, sampling=False),
 )  # fmt: skip
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
@@ -134,6 +138,7 @@ class Values:
     sampling: SamplingParams
     chat: bool = False
     timeout: float | None = None
+    cache_salt: str | None = None
 
 
 def read(
@@ -183,12 +188,20 @@ def read(
         )
     out["top_k"] = max(out.get("top_k", 0), 0)  # -1 (vLLM, OpenAI) is off, as 0 is
     sampling = SamplingParams(**{k: v for k, v in out.items() if k in _SAMPLING_FIELDS})
-    return Values(sampling, bool(out.get("chat", False)), out.get("timeout"))
+    return Values(sampling, bool(out.get("chat", False)), out.get("timeout"), out.get("cache_salt"))
 
 
 def _check(row: Parameter, key: str, value: Any, max_depth: int) -> Any:
     if row.kind == "stop":
         return _stop(key, value, max_depth)
+    if row.kind == "string":
+        if not isinstance(value, str) or not row.within(len(value)):
+            raise InvalidRequest(
+                f"parameter '{key}' must be a string of {_number_text(row.low or 0)} to "
+                f"{_number_text(row.high or 0)} characters",
+                param=key,
+            )
+        return value
     if row.kind == "boolean":
         if not isinstance(value, bool):
             raise InvalidRequest(f"parameter '{key}' must be a boolean, got {value!r}", param=key)

@@ -18,6 +18,8 @@ def parameter_schema(row: Parameter) -> dict[str, Any]:
     """One row as a JSON schema."""
     if row.kind == "boolean":
         return {"type": "boolean"}
+    if row.kind == "string":
+        return {"type": "string", "minLength": row.low, "maxLength": row.high}
     if row.kind == "stop":
         text = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
         return {"oneOf": [text, {"type": "array", "items": text, "maxItems": MAX_STOP_STRINGS}]}

@@ -95,6 +95,7 @@ def details(finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
         "finish_reason": finish_reason.value,
         "prompt_tokens": usage.prompt_tokens,
         "generated_tokens": usage.generated_tokens,
+        "cached_tokens": usage.cached_tokens,  # prompt tokens taken from the prefix cache
     }
 
 
@@ -103,6 +104,7 @@ def usage_parameters(completions: list[Completion]) -> dict[str, Any]:
     return {
         "prompt_tokens": sum(c.usage.prompt_tokens for c in completions),
         "generated_tokens": sum(c.usage.generated_tokens for c in completions),
+        "cached_tokens": sum(c.usage.cached_tokens for c in completions),
         "finish_reason": ",".join(c.finish_reason.value for c in completions),
     }
 

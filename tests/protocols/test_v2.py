@@ -110,6 +110,7 @@ def test_response_rest_and_grpc() -> None:
     assert body["parameters"] == {
         "prompt_tokens": 3,
         "generated_tokens": 4,
+        "cached_tokens": 0,
         "finish_reason": "length",
     }
     msg = pb.ModelInferRequest(model_name="m", id="g")

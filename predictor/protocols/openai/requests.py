@@ -143,7 +143,7 @@ Body = TypeVar("Body", bound=_Common)
 
 def _validate(
     model: type[Body], body: Any, default_max_tokens: int, renames: Mapping[str, str] | None = None
-) -> tuple[Body, SamplingParams]:
+) -> tuple[Body, parameters.Values]:
     """The body's own fields, and its sampling keys read by the parameter table. `renames`: keys
     that are another name of a table key on this route (chat's max_completion_tokens)."""
     kept = _without_refused(body)
@@ -157,7 +157,7 @@ def _validate(
     rest = {k: v for k, v in kept.items() if k not in table and k not in (renames or {})}
     values = parameters.read(sampling_keys, PROTOCOL, default_max_tokens)
     try:
-        return model.model_validate(rest), values.sampling
+        return model.model_validate(rest), values
     except ValidationError as exc:
         error = exc.errors()[0]
         loc = error["loc"]
@@ -205,7 +205,11 @@ def _stream_flags(body: _Common) -> tuple[bool, bool]:
 
 
 def _choices(
-    base: str, prompts: list[GenerateRequest], n: int, sampling: SamplingParams
+    base: str,
+    prompts: list[GenerateRequest],
+    n: int,
+    sampling: SamplingParams,
+    salt: str | None = None,
 ) -> tuple[GenerateRequest, ...]:
     out = []
     for i, prompt in enumerate(prompts):
@@ -214,24 +218,32 @@ def _choices(
             params = replace(sampling, seed=seed) if seed != sampling.seed else sampling
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + j}"
             out.append(
-                GenerateRequest(rid, prompt.prompt, params, prompt.chat, messages=prompt.messages)
+                GenerateRequest(
+                    rid,
+                    prompt.prompt,
+                    params,
+                    prompt.chat,
+                    messages=prompt.messages,
+                    cache_salt=salt,
+                )
             )
     return tuple(out)
 
 
 def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
-    parsed, sampling = _validate(CompletionBody, body, default_max_tokens)
+    parsed, values = _validate(CompletionBody, body, default_max_tokens)
     n = parsed.n or 1
     if parsed.best_of is not None and parsed.best_of != n:
         raise InvalidRequest(f"'best_of' must equal n ({n}) on this server", param="best_of")
-    sampling = replace(sampling, logprobs=parsed.logprobs)
+    sampling = replace(values.sampling, logprobs=parsed.logprobs)
     stream, include_usage = _stream_flags(parsed)
     texts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
     base = f"cmpl-{uuid.uuid4().hex}"
     prompts = [GenerateRequest(base, text) for text in texts]
     return OpenAIRequest(
         "completion", base, parsed.model, int(time.time()), n,
-        _choices(base, prompts, n, sampling), stream, include_usage, parsed.logprobs is not None,
+        _choices(base, prompts, n, sampling, values.cache_salt), stream, include_usage,
+        parsed.logprobs is not None,
         bool(parsed.return_tokens_as_token_ids),
     )  # fmt: skip
 
@@ -243,14 +255,14 @@ def _content(message: Message) -> str:
 
 
 def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
-    parsed, sampling = _validate(
+    parsed, values = _validate(
         ChatBody, body, default_max_tokens, {"max_completion_tokens": "max_tokens"}
     )
     n = parsed.n or 1
     if parsed.top_logprobs is not None and not parsed.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     k = (parsed.top_logprobs or 0) if parsed.logprobs else None
-    sampling = replace(sampling, logprobs=k)
+    sampling = replace(values.sampling, logprobs=k)
     stream, include_usage = _stream_flags(parsed)
     messages = tuple({"role": m.role, "content": _content(m)} for m in parsed.messages)
     base = f"chatcmpl-{uuid.uuid4().hex}"
@@ -261,6 +273,7 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
         prompt = GenerateRequest(base, "", chat=True, messages=messages)
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
-        _choices(base, [prompt], n, sampling), stream, include_usage, k is not None,
+        _choices(base, [prompt], n, sampling, values.cache_salt), stream, include_usage,
+        k is not None,
         bool(parsed.return_tokens_as_token_ids),
     )  # fmt: skip

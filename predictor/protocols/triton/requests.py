@@ -100,6 +100,7 @@ def decode_infer_request(request: InferRequest, limits: Limits, streaming: bool)
             values.sampling,
             values.chat,
             values.timeout,
+            cache_salt=values.cache_salt,
         )
         for i, text in enumerate(texts)
     ]
