@@ -101,7 +101,10 @@ def test_gptqmodel_subset_events_count_finished_layers() -> None:
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
     event = {"layer_idx": 6, "subset_total": 4, "processor": "gptq"}
     progress.subset_event(stage="forward_start", subset_index=0, module_names=names, **event)
-    assert progress.done == 6 and progress.detail == "layer 7: calibration forward q_proj, k_proj, v_proj"
+    assert (
+        progress.done == 6
+        and progress.detail == "layer 7: calibration forward q_proj, k_proj, v_proj"
+    )
     progress.subset_event(stage="quant_complete", subset_index=2, module_names=names, **event)
     assert progress.done == 6
     clock.now += 7
@@ -109,4 +112,4 @@ def test_gptqmodel_subset_events_count_finished_layers() -> None:
         stage="quant_complete", subset_index=3, module_names=["mlp.down_proj"], **event
     )
     assert progress.done == 7
-    assert out.getvalue().startswith("layer 7/30  7 s elapsed")
+    assert out.getvalue().splitlines()[-1] == "layer 7/30  7 s elapsed, about 23 s left"
