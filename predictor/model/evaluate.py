@@ -355,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--no-cache", action="store_true", help="score the reference again, ignoring its cache"
     )
     args = parser.parse_args(argv)
-    prepare_environment(os.environ, Path.home() / ".cache" / "huggingface", args.threads)
+    prepare_environment(os.environ, Path.home() / ".cache" / "huggingface")
     report = evaluate(
         args.checkpoint,
         args.reference,
