@@ -120,8 +120,8 @@ def load_candidate(
     if kind == "gptq":
         if kernel == "fp32":
             loaded = load_checkpoint(path, device=device, threads=threads, kernel="dequantized")
-            model = torch.nn.Module.float(loaded.model)  # transformers refuses GPTQ models
-            return Candidate(model, loaded.tokenizer, kind, "Linear (fp32, dequantized)")
+            fp32 = torch.nn.Module.float(loaded.model)  # transformers' .float() refuses GPTQ
+            return Candidate(fp32, loaded.tokenizer, kind, "Linear (fp32, dequantized)")
         loaded = load_checkpoint(path, device=device, threads=threads, kernel=kernel)
         return Candidate(loaded.model, loaded.tokenizer, kind, loaded.kernel)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 from predictor.model.progress import (
     HEARTBEAT,
@@ -99,7 +100,7 @@ def test_gptqmodel_subset_events_count_finished_layers() -> None:
     progress = Progress(out, prefix="", tty=False, clock=clock)
     progress.phase("layer", 30)
     names = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    event = {"layer_idx": 6, "subset_total": 4, "processor": "gptq"}
+    event: dict[str, Any] = {"layer_idx": 6, "subset_total": 4, "processor": "gptq"}
     progress.subset_event(stage="forward_start", subset_index=0, module_names=names, **event)
     assert (
         progress.done == 6
