@@ -62,8 +62,8 @@ class Recipe:
     # later subsets see the already-quantized earlier ones: 4 forwards per layer instead of 1.
     true_sequential: bool = True
     # Calibration texts per forward batch (not a QuantizeConfig field). gptqmodel sorts the texts
-    # by length and leaves padding out of the Hessian, yet the batch changes the result:
-    # validation ratio 1.046 at 8, 1.059 at 32 (load/RESULTS.md), so it is part of the recipe.
+    # by length and leaves padding out of the Hessian; 32 measured no better than 8 (validation
+    # ratio 1.059 against 1.046-1.055 for 8, whose runs differ by that much: load/RESULTS.md).
     batch_size: int = 8
 
     def quantize_config(self) -> dict[str, Any]:
@@ -278,12 +278,18 @@ def build_default_model(
 
 
 def cpu_name() -> str:
-    """The CPU's model name, as the figures name it ("AMD EPYC 9B45"); the platform otherwise."""
+    """The CPU's model name and widest vector unit ("AMD EPYC, AVX-512"); the platform otherwise."""
+    name, flags = "", set()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    name = name or platform.processor() or platform.machine()
+    return f"{name}, {vector}" if vector else name
 
 
 def _evaluation_steps(progress: Progress) -> Any:
