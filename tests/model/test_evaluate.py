@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -73,7 +74,7 @@ def test_perplexity_of_a_gptq_checkpoint_is_finite(tiny_gptq_dir: Path) -> None:
 
 
 def test_a_checkpoint_against_itself_has_ratio_one_and_full_agreement(tiny_gptq_dir: Path) -> None:
-    report = evaluate(tiny_gptq_dir, tiny_gptq_dir, threads=1, cache=False)
+    report = evaluate(tiny_gptq_dir, tiny_gptq_dir, threads=1, cache=False, max_tokens=512)
     assert report.ratio == 1.0 and report.validation_ratio == 1.0
     assert report.agreement == 1.0
     assert report.prompts == len(PROMPTS)
@@ -152,11 +153,18 @@ def test_the_reference_is_scored_once_then_read_from_its_cache(
     shutil.copytree(tiny_dense_dir, reference)
     (reference / reference_cache.CACHE_FILE).unlink(missing_ok=True)
     messages: list[str] = []
-    first = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append)
+    # short settings: what is cached matters here, not the figures
+    small: dict[str, Any] = {
+        "max_tokens": 300,
+        "window": 150,
+        "prompts": PROMPTS[:2],
+        "new_tokens": 4,
+    }
+    first = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append, **small)
     assert (reference / reference_cache.CACHE_FILE).is_file()
     assert not any("cached figures" in m for m in messages)
     messages.clear()
-    second = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append)
+    second = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append, **small)
     assert any("cached figures" in m for m in messages)
     assert not any(m.startswith("loading reference") for m in messages)
     assert second.reference is not None and first.reference is not None
@@ -164,7 +172,9 @@ def test_the_reference_is_scored_once_then_read_from_its_cache(
     assert (second.ratio, second.agreement) == (first.ratio, first.agreement)
     # other settings are another key: scored again
     messages.clear()
-    evaluate(tiny_gptq_dir, reference, threads=1, window=256, progress=messages.append)
+    evaluate(
+        tiny_gptq_dir, reference, threads=1, progress=messages.append, **{**small, "window": 100}
+    )
     assert any(m.startswith("loading reference") for m in messages)
 
 
