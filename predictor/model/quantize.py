@@ -282,7 +282,7 @@ def build_default_model(
 
 def cpu_name() -> str:
     """The CPU's model name and widest vector unit ("AMD EPYC, AVX-512"); the platform otherwise."""
-    name, flags = "", set()
+    name, flags = "", set[str]()
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
