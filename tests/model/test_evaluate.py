@@ -6,17 +6,22 @@ import json
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from predictor.model import reference_cache
 from predictor.model.evaluate import (
-    HELDOUT_TEXT,
     MAX_TOKENS,
     PROMPTS,
+    TEST_TEXT,
+    TEXTS,
+    VALIDATION_TEXT,
     QualityReport,
     checkpoint_kind,
     evaluate,
     main,
+    text_ids,
 )
 from predictor.model.quantize import QUALITY_FILE, build_default_model, calibration_texts, gate
 
@@ -24,15 +29,36 @@ from predictor.model.quantize import QUALITY_FILE, build_default_model, calibrat
 @pytest.fixture(scope="module")
 def against_source(tiny_gptq_dir: Path, tiny_dense_dir: Path) -> QualityReport:
     """The tiny GPTQ checkpoint scored against the fp checkpoint it was quantized from."""
-    return evaluate(tiny_gptq_dir, tiny_dense_dir, threads=1)
+    return evaluate(tiny_gptq_dir, tiny_dense_dir, threads=1, cache=False)  # the fixture stays
 
 
-def test_heldout_text_is_never_used_for_calibration() -> None:
-    heldout = HELDOUT_TEXT.read_text(encoding="utf-8")
-    sentences = [s.strip() for s in heldout.replace("\n", " ").split(". ") if len(s.strip()) > 40]
+def _sentences(path: Path) -> list[str]:
+    text = path.read_text(encoding="utf-8")
+    return [s.strip() for s in text.replace("\n", " ").split(". ") if len(s.strip()) > 40]
+
+
+@pytest.mark.parametrize("path", [VALIDATION_TEXT, TEST_TEXT], ids=["validation", "test"])
+def test_evaluation_texts_are_never_used_for_calibration(path: Path) -> None:
+    sentences = _sentences(path)
     calibration = "\n".join(calibration_texts())
-    assert len(sentences) > 50
+    assert len(sentences) > 100
     assert not [s for s in sentences if s in calibration]
+
+
+def test_the_test_text_shares_nothing_with_the_validation_text() -> None:
+    validation = VALIDATION_TEXT.read_text(encoding="utf-8")
+    assert not [s for s in _sentences(TEST_TEXT) if s in validation]
+    assert set(TEXTS.values()) == {VALIDATION_TEXT, TEST_TEXT}
+
+
+def test_each_text_holds_the_tokens_scored(tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    for path in (VALIDATION_TEXT, TEST_TEXT):
+        assert len(text_ids(tokenizer, path)) == MAX_TOKENS >= 3000
+    with pytest.raises(SystemExit, match="fewer than"):
+        text_ids(tokenizer, TEST_TEXT, max_tokens=10**6)
 
 
 def test_perplexity_of_a_gptq_checkpoint_is_finite(tiny_gptq_dir: Path) -> None:
@@ -41,12 +67,15 @@ def test_perplexity_of_a_gptq_checkpoint_is_finite(tiny_gptq_dir: Path) -> None:
     assert report.checkpoint.kernel != "none"
     assert report.checkpoint.tokens == MAX_TOKENS
     assert math.isfinite(report.checkpoint.perplexity) and report.checkpoint.perplexity > 1
+    assert math.isfinite(report.checkpoint.validation_perplexity)
+    assert report.checkpoint.validation_perplexity != report.checkpoint.perplexity
     assert report.reference is None and report.ratio is None and report.agreement is None
+    assert report.validation_ratio is None
 
 
 def test_a_checkpoint_against_itself_has_ratio_one_and_full_agreement(tiny_gptq_dir: Path) -> None:
-    report = evaluate(tiny_gptq_dir, tiny_gptq_dir, threads=1)
-    assert report.ratio == 1.0
+    report = evaluate(tiny_gptq_dir, tiny_gptq_dir, threads=1, cache=False, max_tokens=512)
+    assert report.ratio == 1.0 and report.validation_ratio == 1.0
     assert report.agreement == 1.0
     assert report.prompts == len(PROMPTS)
     assert report.compared >= len(PROMPTS)  # every prompt's answer has at least one token
@@ -58,6 +87,8 @@ def test_gptq_against_its_fp_source(against_source: QualityReport) -> None:
     assert against_source.reference.kernel == "float32"
     assert against_source.ratio is not None and math.isfinite(against_source.ratio)
     assert against_source.ratio != 1.0  # 4-bit weights do change the predictions
+    assert against_source.validation_ratio is not None
+    assert against_source.validation_ratio != against_source.ratio  # two texts, two figures
     assert against_source.agreement is not None and 0 <= against_source.agreement <= 1
 
 
@@ -90,14 +121,85 @@ def test_cli_prints_a_table_writes_json_and_shows_progress(
 ) -> None:
     out = tmp_path / "quality.json"
     args = [str(tiny_gptq_dir), "--reference", str(tiny_gptq_dir), "--out", str(out)]
-    assert main([*args, "--tokens", "600", "--window", "256"]) == 0
+    assert main([*args, "--tokens", "600", "--window", "256", "--no-cache"]) == 0
     printed = capsys.readouterr()
-    assert "perplexity ratio 1.000; greedy agreement 100.0%" in printed.out
-    assert "[evaluate] perplexity window 3/3" in printed.err
+    assert "perplexity ratio 1.000 on the test text (1.000 on the validation text)" in printed.out
+    assert "greedy agreement 100.0%" in printed.out
+    assert "[evaluate] test text: perplexity window 3/3" in printed.err
+    assert "[evaluate] validation text: perplexity window 3/3" in printed.err
     figures = json.loads(out.read_text())
     assert figures["ratio"] == 1.0 and figures["agreement"] == 1.0
+    assert figures["validation_ratio"] == 1.0 and figures["gated_on"] == "test"
+    assert figures["texts"]["test"]["file"] == TEST_TEXT.name
     assert figures["checkpoint"]["tokens"] == 600 and figures["window"] == 256
     assert figures["checkpoint"]["path"] == str(tiny_gptq_dir)
+
+
+def test_the_fp32_kernel_scores_the_same_weights_in_fp32(
+    tiny_gptq_dir: Path, against_source: QualityReport
+) -> None:
+    report = evaluate(tiny_gptq_dir, threads=1, kernel="fp32")
+    assert report.checkpoint.kernel == "Linear (fp32, dequantized)"
+    # the same 4-bit weights: only the compute precision differs (bf16 kernel vs fp32)
+    assert report.checkpoint.perplexity == pytest.approx(
+        against_source.checkpoint.perplexity, rel=0.02
+    )
+
+
+def test_the_reference_is_scored_once_then_read_from_its_cache(
+    tiny_gptq_dir: Path, tiny_dense_dir: Path, tmp_path: Path
+) -> None:
+    reference = tmp_path / "fp"
+    shutil.copytree(tiny_dense_dir, reference)
+    (reference / reference_cache.CACHE_FILE).unlink(missing_ok=True)
+    messages: list[str] = []
+    # short settings: what is cached matters here, not the figures
+    small: dict[str, Any] = {
+        "max_tokens": 300,
+        "window": 150,
+        "prompts": PROMPTS[:2],
+        "new_tokens": 4,
+    }
+    first = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append, **small)
+    assert (reference / reference_cache.CACHE_FILE).is_file()
+    assert not any("cached figures" in m for m in messages)
+    messages.clear()
+    second = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append, **small)
+    assert any("cached figures" in m for m in messages)
+    assert not any(m.startswith("loading reference") for m in messages)
+    assert second.reference is not None and first.reference is not None
+    assert second.reference.perplexity == first.reference.perplexity
+    assert (second.ratio, second.agreement) == (first.ratio, first.agreement)
+    # other settings are another key: scored again
+    messages.clear()
+    evaluate(
+        tiny_gptq_dir, reference, threads=1, progress=messages.append, **{**small, "window": 100}
+    )
+    assert any(m.startswith("loading reference") for m in messages)
+
+
+def test_a_changed_reference_or_text_is_another_cache_key(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    text = tmp_path / "text.txt"
+    text.write_text("one")
+    key = reference_cache.cache_key(tmp_path, {"test": text}, {"window": 512})
+    assert reference_cache.store(tmp_path, key, {"x": 1})
+    assert reference_cache.load(tmp_path, key) == {"x": 1}
+    text.write_text("two")
+    assert (
+        reference_cache.load(
+            tmp_path, reference_cache.cache_key(tmp_path, {"test": text}, {"window": 512})
+        )
+        is None
+    )
+    (tmp_path / "config.json").write_text('{"changed": true}')
+    assert (
+        reference_cache.load(
+            tmp_path, reference_cache.cache_key(tmp_path, {"test": text}, {"window": 512})
+        )
+        is None
+    )
+    assert not reference_cache.store(tmp_path / "missing", key, {"x": 1})  # unwritable: no cache
 
 
 def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:

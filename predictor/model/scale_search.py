@@ -1,0 +1,135 @@
+"""gptqmodel's MSE scale search, vectorised: every shrink candidate of a group in one pass.
+
+With `mse > 0` gptqmodel's `Quantizer.find_params` tries 80 shrunk ranges (p = 1, 0.99, ... 0.21)
+for each group of 32 columns, one after another: eight small tensor operations and a
+synchronising `torch.any` per candidate, 4,680 groups for SmolLM2-135M. It was the largest
+single cost of `make model` (load/RESULTS.md, "make model profile"). `vectorised_scale_search()`
+swaps in a method that scores all candidates of a group as one [candidates, rows, columns]
+tensor and keeps, per row, the first candidate with the least error: the choice the loop makes
+(it replaces the best only on a strictly smaller error), so the checkpoint is the same
+(tests/model/test_scale_search.py compares the two bit for bit).
+
+It also skips the search on the whole-matrix call that `GPTQ.quantize` makes before its column
+loop when the weights are grouped: every group's parameters are searched again inside the loop
+before any column is quantized, so that first result is never used (an 80-candidate search over
+a whole [1536, 576] matrix per module, 14% of the search time).
+
+Cases this does not cover (symmetric 2-bit orientation search, group-wise QQQ, trits, a
+search that is not per channel) go to gptqmodel's own method unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# Candidates x rows x columns per chunk: each temporary (1 MiB fp32) stays in a core's L2 cache;
+# 4x faster than one [80, rows, 32] tensor, 2.2x faster than gptqmodel's loop (Zen 5, 1 thread).
+CHUNK_ELEMENTS = 1 << 18
+
+
+@contextlib.contextmanager
+def vectorised_scale_search() -> Iterator[None]:
+    """Within the block, gptqmodel's Quantizer.find_params is the vectorised search."""
+    from gptqmodel.quantization.quantizer import Quantizer
+
+    original = Quantizer.find_params
+
+    def find_params(self: Any, x: torch.Tensor, weight: bool = False) -> None:
+        if not _covered(self, x, weight):
+            original(self, x, weight)
+            return
+        _find_params(self, x, search=not _unused_whole_matrix_call(self, x))
+
+    Quantizer.find_params = find_params
+    try:
+        yield
+    finally:
+        Quantizer.find_params = original
+
+
+def _covered(quantizer: Any, x: torch.Tensor, weight: bool) -> bool:
+    maxq = int(quantizer.maxq.item())
+    return (
+        weight
+        and x.dim() == 2
+        and bool(getattr(quantizer, "perchannel", False))
+        and maxq > 0
+        and not quantizer.requires_groupwise_processing()
+        and not quantizer._search_adjacent_zero_points()
+    )
+
+
+def _unused_whole_matrix_call(quantizer: Any, x: torch.Tensor) -> bool:
+    group_size = int(getattr(quantizer.qcfg, "group_size", -1) or -1)
+    return group_size > 0 and x.shape[1] > group_size
+
+
+@torch.no_grad()
+def _find_params(quantizer: Any, x: torch.Tensor, search: bool) -> None:
+    """Set quantizer.scale and .zero ([rows, 1]) for x: [rows, columns], as find_params does."""
+    maxq = quantizer.maxq.to(x.device)
+    quantizer.maxq = maxq
+    sym = bool(quantizer.qcfg.sym)
+    zeros = torch.zeros(x.shape[0], device=x.device)
+    xmin = torch.minimum(x.min(1)[0], zeros)  # [rows]
+    xmax = torch.maximum(x.max(1)[0], zeros)
+    if sym:
+        xmax = torch.maximum(torch.abs(xmin), xmax)
+        negative = xmin < 0
+        if torch.any(negative):
+            xmin[negative] = -xmax[negative]
+    flat = (xmin == 0) & (xmax == 0)
+    xmin[flat] = -1
+    xmax[flat] = +1
+    scale = (xmax - xmin) / maxq
+    zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-xmin / scale)
+    power = float(getattr(quantizer.qcfg, "mse", 0.0) or 0.0)
+    if power > 0.0 and search:
+        scale, zero = _search(quantizer, x, xmin, xmax, scale, zero, maxq, sym, power)
+    quantizer.scale = scale.reshape(-1, 1)
+    quantizer.zero = zero.reshape(-1, 1)
+
+
+def _search(
+    quantizer: Any,
+    x: torch.Tensor,  # [rows, columns]
+    xmin: torch.Tensor,  # [rows]
+    xmax: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    maxq: torch.Tensor,
+    sym: bool,
+    power: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidate with the least sum |q(x) - x|^power per row; the first one on ties."""
+    grid = int(quantizer.grid)
+    steps = int(quantizer.maxshrink * grid)
+    shrink = torch.tensor([1 - i / grid for i in range(steps)], dtype=x.dtype, device=x.device)
+    rows, columns = x.shape
+    per_chunk = max(1, CHUNK_ELEMENTS // max(1, rows * columns))
+    best = torch.full([rows], float("inf"), device=x.device)
+    best_scale, best_zero = scale.clone(), zero.clone()
+    for start in range(0, steps, per_chunk):
+        p = shrink[start : start + per_chunk].unsqueeze(1)  # [C, 1]
+        xmin1, xmax1 = p * xmin, p * xmax  # [C, rows]
+        scale1 = (xmax1 - xmin1) / maxq
+        zero1 = zero.expand_as(scale1) if sym else torch.round(-xmin1 / scale1)
+        s, z = scale1.unsqueeze(2), zero1.unsqueeze(2)  # [C, rows, 1]
+        q = torch.div(x, s)  # [C, rows, columns]; in place from here: one buffer
+        q.round_().add_(z).clamp_(torch.zeros_like(maxq), maxq).sub_(z).mul_(s).sub_(x)
+        q.abs_().pow_(power)
+        err = torch.sum(q, 2)  # [C, rows]
+        del q
+        # min over candidates; NaN errors never win (the loop's `err < best` is False for them)
+        err = torch.nan_to_num(err, nan=float("inf"))
+        chunk_best, index = torch.min(err, 0)  # the first minimum on ties
+        better = chunk_best < best
+        rows_index = torch.arange(rows, device=x.device)
+        best = torch.where(better, chunk_best, best)
+        best_scale = torch.where(better, scale1[index, rows_index], best_scale)
+        best_zero = torch.where(better, zero1[index, rows_index], best_zero)
+    return best_scale, best_zero

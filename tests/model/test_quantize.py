@@ -1,0 +1,110 @@
+"""make model's pieces that need no model: recipes, the gate on the test text, imports, env."""
+
+from __future__ import annotations
+
+import ast
+import io
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import predictor.model
+from predictor.model import quantize
+from predictor.model.env import prepare_environment
+from predictor.model.evaluate import QualityReport, Scored
+from predictor.model.progress import Progress
+from predictor.model.quantize import DEFAULT_RECIPE, RECIPES, check_quality
+
+
+def _report(test_ratio: float, validation_ratio: float) -> QualityReport:
+    reference = Scored("fp", "fp", "float32", 30.0, 30.0, 3584, 1.0)
+    checkpoint = Scored(
+        "gptq", "gptq", "Linear", 30.0 * test_ratio, 30.0 * validation_ratio, 3584, 1.0
+    )
+    return QualityReport(checkpoint, reference, test_ratio, validation_ratio, 0.8, 8, 10, 1, 512)
+
+
+def test_the_gate_reads_the_test_text_not_the_validation_text() -> None:
+    check_quality(_report(test_ratio=1.05, validation_ratio=1.5), max_ratio=1.10)
+    with pytest.raises(SystemExit, match=r"ratio 1\.200 on the test text"):
+        check_quality(_report(test_ratio=1.2, validation_ratio=1.0), max_ratio=1.10)
+
+
+def test_every_recipe_is_a_gptqmodel_config() -> None:
+    from gptqmodel import QuantizeConfig
+
+    assert RECIPES["default"] is DEFAULT_RECIPE
+    for recipe in RECIPES.values():
+        fields = recipe.quantize_config()
+        assert "batch_size" not in fields  # a quantize() argument, not a config field
+        config = QuantizeConfig(bits=4, **fields)
+        assert config.group_size == recipe.group_size and config.mse == recipe.mse
+        assert f"batches of {recipe.batch_size}" in recipe.describe()
+
+
+def test_recipe_is_chosen_on_the_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen: list[Any] = []
+    monkeypatch.setattr(
+        quantize, "build_default_model", lambda *args, **kwargs: chosen.append(args[4])
+    )
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    name = next(name for name in RECIPES if name != "default")
+    assert quantize.main(["--out", str(tmp_path / "m"), "--recipe", name]) == 0
+    assert quantize.main(["--out", str(tmp_path / "m")]) == 0
+    assert chosen == [RECIPES[name], DEFAULT_RECIPE]
+    with pytest.raises(SystemExit):
+        quantize.main(["--recipe", "no-such-recipe"])
+
+
+def test_evaluation_messages_become_steps_and_lines() -> None:
+    out = io.StringIO()
+    progress = Progress(out, prefix="> ", tty=False)
+    on_message = quantize._evaluation_steps(progress)
+    on_message("loading checkpoint x")
+    on_message("test text: perplexity window 1/2")
+    on_message("test text: perplexity window 2/2")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "> loading checkpoint x"
+    assert lines[1].startswith("> test text: perplexity window 1/2  ")
+    assert lines[2].startswith("> test text: perplexity window 2/2  ")
+
+
+def test_cpu_is_named() -> None:
+    assert quantize.cpu_name()
+
+
+def test_environment_defaults_and_two_gptqmodel_workers() -> None:
+    env = {"HF_HOME": "/mine"}
+    prepare_environment(env, Path("/cache"))
+    assert env == {
+        "HF_HOME": "/mine",  # what the user set stays
+        "HF_HUB_OFFLINE": "1",
+        "GPTQMODEL_CPU_WORKERS": "2",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def test_model_modules_import_each_other_without_a_circle() -> None:
+    folder = Path(predictor.model.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in folder.glob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module == "predictor.model":
+                    names.update(alias.name for alias in node.names)
+                elif node.module.startswith("predictor.model."):
+                    names.add(node.module.rsplit(".", 1)[1])
+        graph[path.stem] = names
+    assert "quantize" not in graph["evaluate"] and "env" in graph["evaluate"]
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        for name in graph.get(start, set()):
+            if name == target or (name not in seen and reaches(name, target, seen | {name})):
+                return True
+        return False
+
+    assert [name for name in graph if reaches(name, name, set())] == []
