@@ -52,12 +52,16 @@ class GenerateRequest:
     # renders it with the model's chat template (add_generation_prompt=True) instead of using
     # `prompt`. Adapters that set it for a lone user message also set prompt=content, chat=True.
     messages: tuple[dict[str, str], ...] | None = None
+    # vLLM's cache_salt: prompts share cached KV blocks only with requests of the same salt
+    # (None: the unsalted pool), so one tenant cannot learn another's prompts from timing
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     generated_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
 
 
 @dataclass(frozen=True)
