@@ -221,6 +221,19 @@ def request_options(params: Mapping[str, Any]) -> tuple[bool, float | None]:
     return chat, timeout
 
 
+def cache_salt(params: Mapping[str, Any]) -> str | None:
+    """vLLM's cache_salt: requests share cached prompt blocks only with the same salt."""
+    value = params.get("cache_salt")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise InvalidRequest(
+            f"parameter 'cache_salt' must be a non-empty string of at most {MAX_ID_LENGTH} "
+            "characters"
+        )
+    return value
+
+
 def _text(value: Any) -> str:
     if isinstance(value, bytes):
         try:
@@ -268,7 +281,14 @@ def decode_infer_request(
     chat, timeout = request_options(params)
     base = request.id or uuid.uuid4().hex
     return [
-        GenerateRequest(base if len(prompts) == 1 else f"{base}-{i}", p, sampling, chat, timeout)
+        GenerateRequest(
+            base if len(prompts) == 1 else f"{base}-{i}",
+            p,
+            sampling,
+            chat,
+            timeout,
+            cache_salt=cache_salt(params),
+        )
         for i, p in enumerate(prompts)
     ]
 
@@ -284,6 +304,7 @@ def encode_infer_response(
     parameters = {
         "prompt_tokens": sum(c.usage.prompt_tokens for c in completions),
         "generated_tokens": sum(c.usage.generated_tokens for c in completions),
+        "cached_tokens": sum(c.usage.cached_tokens for c in completions),
         "finish_reason": ",".join(c.finish_reason.value for c in completions),
     }
     texts = [c.text for c in completions]
@@ -336,7 +357,7 @@ def decode_generate_request(body: Any, default_max_tokens: int) -> GenerateReque
     sampling = sampling_from_parameters(params, default_max_tokens)
     chat, timeout = request_options(params)
     rid = str(request_id) if request_id is not None else uuid.uuid4().hex
-    return GenerateRequest(rid, prompt, sampling, chat, timeout)
+    return GenerateRequest(rid, prompt, sampling, chat, timeout, cache_salt=cache_salt(params))
 
 
 def _details(finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
@@ -344,6 +365,7 @@ def _details(finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
         "finish_reason": finish_reason.value,
         "prompt_tokens": usage.prompt_tokens,
         "generated_tokens": usage.generated_tokens,
+        "cached_tokens": usage.cached_tokens,  # prompt tokens taken from the prefix cache
     }
 
 

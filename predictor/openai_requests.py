@@ -66,6 +66,7 @@ class _Common(_Strict):
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:{id}"
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM: prefix cache
 
 
 class CompletionBody(_Common):
@@ -232,7 +233,11 @@ def _stream_flags(body: _Common) -> tuple[bool, bool]:
 
 
 def _choices(
-    base: str, prompts: list[GenerateRequest], n: int, sampling: SamplingParams
+    base: str,
+    prompts: list[GenerateRequest],
+    n: int,
+    sampling: SamplingParams,
+    salt: str | None = None,
 ) -> tuple[GenerateRequest, ...]:
     out = []
     for i, prompt in enumerate(prompts):
@@ -241,7 +246,14 @@ def _choices(
             params = replace(sampling, seed=seed) if seed != sampling.seed else sampling
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + j}"
             out.append(
-                GenerateRequest(rid, prompt.prompt, params, prompt.chat, messages=prompt.messages)
+                GenerateRequest(
+                    rid,
+                    prompt.prompt,
+                    params,
+                    prompt.chat,
+                    messages=prompt.messages,
+                    cache_salt=salt,
+                )
             )
     return tuple(out)
 
@@ -258,7 +270,8 @@ def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
     prompts = [GenerateRequest(base, text) for text in texts]
     return OpenAIRequest(
         "completion", base, parsed.model, int(time.time()), n,
-        _choices(base, prompts, n, sampling), stream, include_usage, parsed.logprobs is not None,
+        _choices(base, prompts, n, sampling, parsed.cache_salt), stream, include_usage,
+        parsed.logprobs is not None,
         bool(parsed.return_tokens_as_token_ids),
     )  # fmt: skip
 
@@ -293,7 +306,8 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
         prompt = GenerateRequest(base, "", chat=True, messages=messages)
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
-        _choices(base, [prompt], n, sampling), stream, include_usage, k is not None,
+        _choices(base, [prompt], n, sampling, parsed.cache_salt), stream, include_usage,
+        k is not None,
         bool(parsed.return_tokens_as_token_ids),
     )  # fmt: skip
 

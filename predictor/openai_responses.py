@@ -22,6 +22,7 @@ from openai.types.chat import chat_completion as chat
 from openai.types.chat import chat_completion_chunk as chunk
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs
+from openai.types.completion_usage import PromptTokensDetails
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel
 
@@ -63,9 +64,11 @@ def _usage(request: OpenAIRequest, usages: Sequence[Usage]) -> CompletionUsage:
     """Each prompt counted once, every choice's tokens counted."""
     prompt = sum(u.prompt_tokens for i, u in enumerate(usages) if i % request.n == 0)
     completion = sum(u.generated_tokens for u in usages)
+    cached = sum(u.cached_tokens for i, u in enumerate(usages) if i % request.n == 0)
     return CompletionUsage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
-    )
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )  # fmt: skip
 
 
 # -- logprobs ---------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ _PARAMETERS_SCHEMA: dict[str, Any] = {
         "min_tokens": {"type": "integer", "minimum": 0},
         "chat": {"type": "boolean"},
         "timeout": {"type": "number", "exclusiveMinimum": 0},
+        "cache_salt": {"type": "string", "minLength": 1, "maxLength": codecs.MAX_ID_LENGTH},
         "details": {"type": "boolean"},
     },
 }

@@ -36,7 +36,7 @@ from predictor.types import GenerateRequest
 _INTEGER_KEYS = ("max_tokens", "top_k", "seed", "min_tokens")
 _NUMBER_KEYS = ("temperature", "top_p", "timeout")
 _BOOLEAN_KEYS = ("ignore_eos", "chat")
-PARAMETER_KEYS = (*_INTEGER_KEYS, *_NUMBER_KEYS, *_BOOLEAN_KEYS, "stop")
+PARAMETER_KEYS = (*_INTEGER_KEYS, *_NUMBER_KEYS, *_BOOLEAN_KEYS, "stop", "cache_salt")
 
 # -- tensors: what the model configuration lists and the decoder takes --------------------------
 

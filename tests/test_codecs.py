@@ -94,13 +94,14 @@ def test_bad_inputs() -> None:
 
 
 def test_response_rest_and_grpc() -> None:
-    done = [Completion("r", "héllo", FinishReason.LENGTH, Usage(3, 4))]
+    done = [Completion("r", "héllo", FinishReason.LENGTH, Usage(3, 4, cached_tokens=2))]
     rest = codecs.encode_infer_response(_request(["a"]), "m", done)
     body, _ = rest.to_rest()
     assert body["outputs"][0]["data"] == ["héllo"]
     assert body["parameters"] == {
         "prompt_tokens": 3,
         "generated_tokens": 4,
+        "cached_tokens": 2,
         "finish_reason": "length",
     }
     msg = pb.ModelInferRequest(model_name="m", id="g")
@@ -145,3 +146,14 @@ def test_check_plain_refuses_surrogates_in_non_ascii_strings_only() -> None:
     codecs.check_plain({"a": "caf\u00e9 " * 1000, "b": "plain"})
     with pytest.raises(InvalidRequest, match="surrogate"):
         codecs.check_plain({"a": "caf\u00e9 \ud800"})
+
+
+def test_cache_salt_is_a_non_empty_string() -> None:
+    body = {"text_input": "hi", "parameters": {"cache_salt": "tenant-7"}}
+    assert codecs.decode_generate_request(body, 8).cache_salt == "tenant-7"
+    assert codecs.decode_generate_request({"text_input": "hi"}, 8).cache_salt is None
+    for bad in ("", 5, "x" * 300):
+        with pytest.raises(InvalidRequest, match="cache_salt"):
+            codecs.decode_generate_request(
+                {"text_input": "hi", "parameters": {"cache_salt": bad}}, 8
+            )

@@ -138,7 +138,7 @@ def test_salts_never_share(tiny_dense: Tiny) -> None:
     audited(loop, arrivals, sinks)
     assert [s.cached_prompt_tokens for s in seqs] == [0, 0, 0, 28, 28]
     assert all(sink.token_ids == sinks[0].token_ids for sink in sinks)
-    blocks = {salt: set() for _, salt in runs}
+    blocks: dict[str | None, set[int]] = {salt: set() for _, salt in runs}
     for seq in seqs:
         for key in seq.keys:
             block = loop.allocator._by_key.get(key)

@@ -262,7 +262,9 @@ def test_cache_holds_exactly_what_the_rows_hold_after_every_step(tiny_dense: Tin
         loop.step()
         rows = loop.batch.rows
         # a row holds its prompt's blocks from admission, then one more per block_size tokens
-        held = sum(-(-(seq.total_tokens if seq.prefilling else seq.cached) // block) for seq in rows)
+        held = sum(
+            -(-(seq.total_tokens if seq.prefilling else seq.cached) // block) for seq in rows
+        )
         assert loop.allocator.used == held
         assert all(len(seq.blocks) * block >= seq.cached for seq in rows)
         assert loop.allocator.usage() == held / loop.allocator.num_blocks
