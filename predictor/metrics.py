@@ -140,6 +140,10 @@ class Metrics:
                 "vllm:cache_config_info", "Same as predictor_cache_config_info (vLLM's name).",
                 _CACHE_LABELS, registry=registry,
             )  # fmt: skip
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions):
+            counter.labels(model_name)  # on /metrics at 0 from the start, as vLLM's are
+        for alias in self.counter_aliases.values():
+            alias.labels(model_name)
         self.loop_tasks = Gauge(
             "predictor_event_loop_tasks", "asyncio tasks alive on the server's event loop.",
             registry=registry,
