@@ -50,8 +50,9 @@ VLLM = "vLLM-CPU"
 OURS = "ours"
 OURS_OFF = "ours-nocache"  # ours with --prefix-caching false
 OFF_NOTE = (
-    "Ours with `--prefix-caching false` in the same run (these prompts share no whole block "
-    "beyond the chat template's few tokens: what caching costs when nothing hits):"
+    "Ours with `--prefix-caching false` in the same run (with `--unique` no two prompts share "
+    "a block: what caching costs when nothing hits; without it the repeated prompts.txt prompts "
+    "and the chat template's system prompt hit):"
 )
 
 
@@ -232,7 +233,7 @@ async def measure(
 ) -> Measured:
     if args.workload == "shared-prefix":
         return await measure_shared(base_url, model, args, server)
-    api = Api("openai", model, "/v1", ignore_eos=True)
+    api = Api("openai", model, "/v1", ignore_eos=True, unique=args.unique)
     url = api.url(base_url)
     result = Measured(server)
     began = os.getloadavg()[0]
@@ -517,6 +518,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--servers", nargs="+", choices=[VLLM, OURS, OURS_OFF], default=None,
                         help=f"default: {VLLM} {OURS}; shared-prefix adds {OURS_OFF}")  # fmt: skip
     parser.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard")
+    parser.add_argument(
+        "--unique", action="store_true",
+        help="standard: a unique system message per request, so no prompt hits the prefix cache",
+    )  # fmt: skip
     parser.add_argument(
         "--peer", action="append", default=[], metavar="NAME=URL",
         help="also measure this running OpenAI-compatible server (e.g. llama-server)",

@@ -27,6 +27,7 @@ import asyncio
 import json
 import statistics
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +81,10 @@ class Api:
     model: str
     openai_prefix: str = "/v1"
     ignore_eos: bool = False
+    # a system message naming each request uniquely (OpenAI; OIP: a first line), so that no
+    # two prompts share a KV block, not even the chat template's default system prompt: what a
+    # prefix cache costs when nothing hits
+    unique: bool = False
 
     def url(self, base: str) -> str:
         if self.name == "openai":
@@ -88,14 +93,18 @@ class Api:
 
     def body(self, prompt: str, max_tokens: int) -> dict:
         extra = {"ignore_eos": True} if self.ignore_eos else {}
+        nonce = f"Session {uuid.uuid4().hex}." if self.unique else ""
         if self.name == "openai":
+            messages = [{"role": "user", "content": prompt}]
+            if nonce:
+                messages.insert(0, {"role": "system", "content": nonce + " Answer briefly."})
             return {
-                "model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "model": self.model, "messages": messages,
                 "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, **extra,
             }  # fmt: skip
         parameters = {"max_tokens": max_tokens, "chat": True, **extra}
-        return {"text_input": prompt, "parameters": parameters}
+        return {"text_input": f"{nonce}\n{prompt}" if nonce else prompt, "parameters": parameters}
 
     def read(self, event: dict) -> tuple[str, int | None]:
         """The event's new text, and the generated token count when the event reports it."""
@@ -275,7 +284,7 @@ def print_shared(rows: list[dict]) -> None:
 
 
 async def run(args: argparse.Namespace, base: str) -> None:
-    api = Api(args.api, args.model, args.openai_prefix, args.ignore_eos)
+    api = Api(args.api, args.model, args.openai_prefix, args.ignore_eos, args.unique)
     url = api.url(base)
     async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=64)) as client:
         if args.workload == "shared-prefix":
@@ -317,6 +326,7 @@ def main() -> None:
     parser.add_argument("--ignore-eos", action="store_true", help="always --max-tokens tokens")
     parser.add_argument("--api", choices=["oip", "openai"], default="oip")
     parser.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard")
+    parser.add_argument("--unique", action="store_true", help="no two prompts share a KV block")
     parser.add_argument("--requests", type=int, default=8, help="shared-prefix: per level")
     parser.add_argument(
         "--document-chars", type=int, default=0, help="shared-prefix: cut the document (0: all)"
