@@ -18,6 +18,7 @@ then one block at a time while decoding; the step loop preempts a row when none 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Blocks
@@ -132,39 +133,64 @@ class BlockAllocator:
     def _evict(self, count: int) -> None:
         """Forget the `count` least recently used cached blocks no row holds; they turn free."""
         for _ in range(count):
-            block, _ = self._evictable.popitem(last=False)
-            key = self._key_of[block]
-            assert key is not None
-            del self._by_key[key]
-            self._key_of[block] = None
-            self._free[block] = self._open[block] = 1
-            self._free_count += 1
-            self._stack.append(block)
+            self._forget(next(iter(self._evictable)))
+
+    def _forget(self, block: int) -> None:
+        """A cached block no row holds loses its key and turns free."""
+        del self._evictable[block]
+        key = self._key_of[block]
+        assert key is not None
+        del self._by_key[key]
+        self._key_of[block] = None
+        self._free[block] = self._open[block] = 1
+        self._free_count += 1
+        self._stack.append(block)
 
     # -- taking and giving back ---------------------------------------------------------------
     def allocate(self, count: int, after: int | None = None, claim: int = 0) -> list[int]:
         """`count` new blocks: after block `after` where free (a row growing), else at the
-        start of a free run of `claim` blocks (a row's first blocks), else wherever; cached
-        blocks are evicted only when too few are free."""
+        start of a free run of `claim` blocks (a row's first blocks; else of `count`), else
+        wherever. Cached blocks are evicted only when too few are free: least recently used
+        first, except that a growing row's next block is evicted rather than another one, so
+        the row stays adjacent (a long-running server's cache is all cached blocks)."""
         if count > self.available:
             raise MemoryError(f"KV cache: {count} blocks asked for, {self.available} available")
-        if count > self._free_count:
-            self._evict(count - self._free_count)
         out: list[int] = []
         if after is not None:
             block = after + 1
-            while len(out) < count and block < self.num_blocks and self._free[block]:
+            while len(out) < count and block < self.num_blocks:
+                if not self._free[block]:
+                    short = self._free_count < count - len(out)  # must evict anyway
+                    if not (short and block in self._evictable):
+                        break
+                    self._forget(block)
                 out.append(self._take(block))
                 block += 1
-        elif count > 0:
-            span = max(claim, count)
+        need = count - len(out)
+        if need > self._free_count and after is None:
+            # under pressure, a row's first blocks: the free ones would not do, so the oldest
+            # cached ones first, as many as are missing, in block order (mostly a run of one
+            # finished row), then the free ones
+            victims = sorted(itertools.islice(self._evictable, need - self._free_count))
+            for block in victims:
+                self._forget(block)
+            out.extend(self._take(block) for block in victims)
+            need = count - len(out)
+        if need > self._free_count:
+            self._evict(need - self._free_count)
+        if need and after is None:
+            span = max(claim, need)
             start = self._open.find(b"\x01" * span)
+            if start < 0 and span > need:
+                span = need
+                start = self._open.find(b"\x01" * span)
             if start >= 0:
-                out.extend(self._take(b) for b in range(start, start + count))
-                claimed = range(start + count, start + span)
+                out.extend(self._take(b) for b in range(start, start + need))
+                claimed = range(start + need, start + span)
                 for block in claimed:
                     self._open[block] = 0
-                self._claims[start] = claimed
+                if claimed:
+                    self._claims[start] = claimed
         while len(out) < count:
             block = self._stack.pop()
             if self._free[block]:
