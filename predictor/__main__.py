@@ -59,7 +59,11 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         max_step_tokens=settings.max_step_tokens,
         on_step=metrics.observe_batch,
         on_admit=metrics.observe_queue,
+        prefix_caching=settings.prefix_caching,
+        on_prefix_cache=metrics.observe_prefix_cache,
+        on_preempt=metrics.observe_preemption,
     )
+    metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
     # kv_cache_usage_perc); one integer read at each scrape, never blocking the step loop
     metrics.track_kv_cache(allocator.usage)

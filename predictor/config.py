@@ -40,8 +40,9 @@ class Settings:
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
-    max_cache_tokens: int = 32768  # KV-cache size in tokens (each row reserves prompt + max_tokens)
+    max_cache_tokens: int = 32768  # KV-cache size in tokens (rows take blocks as they fill them)
     kv_block_size: int = 16  # tokens per KV-cache block
+    prefix_caching: bool = True  # reuse cached blocks of prompts that start alike
     max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
@@ -134,8 +135,12 @@ _HELP = {
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",
-    "max_cache_tokens": "KV-cache size in tokens; a request reserves prompt + max_tokens of it",
-    "kv_block_size": "tokens per KV-cache block",
+    "max_cache_tokens": "KV-cache size in tokens; a request takes its prompt's blocks at "
+    "admission and one more each block_size tokens it generates (preempted and recomputed "
+    "later when the cache is full)",
+    "kv_block_size": "tokens per KV-cache block (the prefix cache shares whole blocks)",
+    "prefix_caching": "automatic prefix caching: a prompt that starts with blocks another "
+    "request computed (same tokens, same cache_salt) reuses them instead of computing them",
     "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
     "a long prompt's prefill may pause the running streams",
     "max_waiting": "most requests waiting for a batch row; more are refused",

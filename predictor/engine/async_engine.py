@@ -215,6 +215,7 @@ class AsyncEngine:
             ),
             sink=sink,
             deadline=None if timeout is None else time.monotonic() + timeout,
+            cache_salt=request.cache_salt,
         )
         return seq, queue
 

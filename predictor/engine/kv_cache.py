@@ -2,21 +2,49 @@
 
 The runner holds one pool of `num_blocks * block_size` token slots per layer; a row's tokens
 live in the blocks of its block table, in order (vLLM's paged layout). Admitting or removing a
-row touches only that row's blocks, whatever the other rows hold, and a block can later be
-shared between rows whose prompts start alike (prefix caching) by counting its references.
+row touches only that row's blocks, whatever the other rows hold.
 
-A request reserves the blocks it may need at most (prompt + max_tokens) when it is admitted and
-allocates them as its tokens arrive, so a running row can never find the pool empty and no row
-is ever preempted. `used` counts what the cache really holds; `reserved` is the admission bound.
+Prefix caching (vLLM's automatic prefix caching): each full block a row has computed is keyed
+by (its parent block's hash, its token ids, extras such as the request's cache salt), so a
+key names a whole prefix. A later request whose prompt starts with the same blocks takes them
+by reference instead of computing them again. Blocks are reference-counted; a block no row
+holds any more stays cached (evictable) and is evicted least recently used first, only when a
+row needs a block and none is free. A cached block is full and never written again: rows write
+only past the tokens they hold, and an evicted block loses its key before it is reused.
+
+Rows take blocks as they need them: the whole prompt's (minus the cached ones) at admission,
+then one block at a time while decoding; the step loop preempts a row when none is left.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Sequence as Blocks
+
+# (parent block's hash or None, the block's token ids, extras such as the cache salt)
+BlockKey = tuple[int | None, tuple[int, ...], Hashable]
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+def extend_keys(
+    keys: list[BlockKey],
+    tokens: Callable[[int, int], Blocks[int]],
+    count: int,
+    block_size: int,
+    extras: Hashable,
+) -> None:
+    """Extend `keys` to the first `count` full blocks; `tokens(start, end)`: the token ids of
+    positions [start, end). The dict holding a key compares the whole tuple, so a block's own
+    tokens and extras are matched exactly; its parent by hash (64 bits)."""
+    while len(keys) < count:
+        start = len(keys) * block_size
+        parent = hash(keys[-1]) if keys else None
+        keys.append((parent, tuple(tokens(start, start + block_size)), extras))
 
 
 class BlockAllocator:
@@ -26,10 +54,14 @@ class BlockAllocator:
     a row block by block and adjacent blocks stream from memory (the native decode kernel, 16
     rows of 150 tokens, 30 layers: 5.8 ms adjacent, 7.7 ms interleaved row by row as rows grow
     one block at a time, 13.4 ms in random places as a long-running server's free list leaves
-    them). A row's first allocation takes the start of a free run as long as its whole
-    reservation (`claim`) and softly claims the rest; each later one (`after`, the row's last
-    block) takes the next block when it is free. A claim only steers placement: when no run
-    is free, or the next block is taken, any free block serves, so capacity is never lost.
+    them). A row's first allocation takes the start of a free run as long as `claim` (what it
+    may grow to) and softly claims the rest; each later one (`after`, the row's last block)
+    takes the next block when it is free. A claim only steers placement: when no run is free,
+    or the next block is taken, any free block serves, so capacity is never lost. A claim ends
+    when its first block is no longer held.
+
+    Three kinds of block: held (by one row or more: refs > 0), cached (no row holds it, its key
+    is kept: evictable, LRU order), free. `available` = free + cached: what rows may take.
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -38,60 +70,127 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._refs = [0] * num_blocks
-        self._free = bytearray(b"\x01") * num_blocks  # 1: free
+        self._free = bytearray(b"\x01") * num_blocks  # 1: free (neither held nor cached)
         self._open = bytearray(b"\x01") * num_blocks  # 1: free and claimed by no row
         self._free_count = num_blocks
         # candidates for any-block allocation, most recently freed last; an entry whose block
         # was taken since (by placement) is skipped when reached
         self._stack: list[int] = list(range(num_blocks - 1, -1, -1))  # block 0 first
         self._claims: dict[int, range] = {}  # a row's first block -> its claimed blocks
-        self.reserved = 0  # blocks promised to admitted rows (allocated or not yet)
+        self._key_of: list[BlockKey | None] = [None] * num_blocks
+        self._by_key: dict[BlockKey, int] = {}  # the cached prefixes: key -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refs 0, keyed; oldest first
 
     @property
     def used(self) -> int:
-        """Blocks holding at least one row's tokens now."""
-        return self.num_blocks - self._free_count
-
-    def usage(self) -> float:
-        """Share of the cache's blocks in use (0-1): what KV-cache utilization gauges report."""
-        return self.used / self.num_blocks
-
-    def can_reserve(self, blocks: int) -> bool:
-        return self.reserved + blocks <= self.num_blocks
-
-    def reserve(self, blocks: int) -> None:
-        if not self.can_reserve(blocks):
-            raise MemoryError(f"KV cache: {blocks} blocks asked for, {self.free_reservations} left")
-        self.reserved += blocks
-
-    def release(self, blocks: int) -> None:
-        self.reserved -= blocks
-        assert self.reserved >= 0, "released more KV blocks than were reserved"
+        """Blocks held by at least one row now."""
+        return self.num_blocks - self._free_count - len(self._evictable)
 
     @property
-    def free_reservations(self) -> int:
-        return self.num_blocks - self.reserved
+    def available(self) -> int:
+        """Blocks a row may take now: free ones and cached ones no row holds (evicted)."""
+        return self._free_count + len(self._evictable)
 
+    @property
+    def cached(self) -> int:
+        """Blocks holding a cached prefix (held or not)."""
+        return len(self._by_key)
+
+    def usage(self) -> float:
+        """Share of the cache's blocks held by rows (0-1): what KV-cache utilization gauges
+        report (vLLM's kv_cache_usage_perc: cached blocks no row holds count as free)."""
+        return self.used / self.num_blocks
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def match(self, keys: Iterable[BlockKey]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (not yet taken: see `share`)."""
+        out: list[int] = []
+        for key in keys:
+            block = self._by_key.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def unheld(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` no row holds (taking them uses up that many available ones)."""
+        return sum(1 for block in blocks if self._refs[block] == 0)
+
+    def share(self, blocks: Iterable[int]) -> None:
+        """Take one reference to each of these cached blocks (from `match`)."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Key a held block that is full and computed, so later prompts can share it. A key
+        already cached (two rows computed the same prefix at once) stays with its block."""
+        if key not in self._by_key and self._key_of[block] is None:
+            self._by_key[key] = block
+            self._key_of[block] = key
+
+    def _evict(self, count: int) -> None:
+        """Forget the `count` least recently used cached blocks no row holds; they turn free."""
+        for _ in range(count):
+            self._forget(next(iter(self._evictable)))
+
+    def _forget(self, block: int) -> None:
+        """A cached block no row holds loses its key and turns free."""
+        del self._evictable[block]
+        key = self._key_of[block]
+        assert key is not None
+        del self._by_key[key]
+        self._key_of[block] = None
+        self._free[block] = self._open[block] = 1
+        self._free_count += 1
+        self._stack.append(block)
+
+    # -- taking and giving back ---------------------------------------------------------------
     def allocate(self, count: int, after: int | None = None, claim: int = 0) -> list[int]:
-        """`count` free blocks: after block `after` where free (a row growing), else at the
-        start of a free run of `claim` blocks (a row's first blocks), else wherever."""
-        if count > self._free_count:
-            raise MemoryError(f"KV cache: {count} blocks asked for, {self._free_count} free")
+        """`count` new blocks: after block `after` where free (a row growing), else at the
+        start of a free run of `claim` blocks (a row's first blocks; else of `count`), else
+        wherever. Cached blocks are evicted only when too few are free: least recently used
+        first, except that a growing row's next block is evicted rather than another one, so
+        the row stays adjacent (a long-running server's cache is all cached blocks)."""
+        if count > self.available:
+            raise MemoryError(f"KV cache: {count} blocks asked for, {self.available} available")
         out: list[int] = []
         if after is not None:
             block = after + 1
-            while len(out) < count and block < self.num_blocks and self._free[block]:
+            while len(out) < count and block < self.num_blocks:
+                if not self._free[block]:
+                    short = self._free_count < count - len(out)  # must evict anyway
+                    if not (short and block in self._evictable):
+                        break
+                    self._forget(block)
                 out.append(self._take(block))
                 block += 1
-        elif count > 0:
-            span = max(claim, count)
+        need = count - len(out)
+        if need > self._free_count and after is None:
+            # under pressure, a row's first blocks: the free ones would not do, so the oldest
+            # cached ones first, as many as are missing, in block order (mostly a run of one
+            # finished row), then the free ones
+            victims = sorted(itertools.islice(self._evictable, need - self._free_count))
+            for block in victims:
+                self._forget(block)
+            out.extend(self._take(block) for block in victims)
+            need = count - len(out)
+        if need > self._free_count:
+            self._evict(need - self._free_count)
+        if need and after is None:
+            span = max(claim, need)
             start = self._open.find(b"\x01" * span)
+            if start < 0 and span > need:
+                span = need
+                start = self._open.find(b"\x01" * span)
             if start >= 0:
-                out.extend(self._take(b) for b in range(start, start + count))
-                claimed = range(start + count, start + span)
+                out.extend(self._take(b) for b in range(start, start + need))
+                claimed = range(start + need, start + span)
                 for block in claimed:
                     self._open[block] = 0
-                self._claims[start] = claimed
+                if claimed:
+                    self._claims[start] = claimed
         while len(out) < count:
             block = self._stack.pop()
             if self._free[block]:
@@ -104,18 +203,41 @@ class BlockAllocator:
         self._free_count -= 1
         return block
 
-    def free(self, blocks: Sequence[int]) -> None:
-        """Drop one reference to each block; a row freeing its blocks also gives up its claim."""
-        if blocks:
-            for block in self._claims.pop(blocks[0], ()):
-                if self._free[block]:
-                    self._open[block] = 1
-        for block in blocks:
+    def free(self, blocks: Blocks[int]) -> None:
+        """Drop one reference to each block of a row's table. A block no row holds any more
+        stays cached if it has a key (the row's last blocks first in line for eviction, so a
+        prefix outlives its tails), else it is free."""
+        for block in reversed(blocks):
             self._refs[block] -= 1
             assert self._refs[block] >= 0, f"KV block {block} freed twice"
-            if self._refs[block] == 0:
+            if self._refs[block]:
+                continue
+            for claimed in self._claims.pop(block, ()):
+                if self._free[claimed]:
+                    self._open[claimed] = 1
+            if self._key_of[block] is not None:
+                self._evictable[block] = None
+            else:
                 self._free[block] = self._open[block] = 1
                 self._free_count += 1
                 self._stack.append(block)
         if len(self._stack) > 2 * self.num_blocks:  # skipped entries piled up: rebuild
             self._stack = [b for b in range(self.num_blocks - 1, -1, -1) if self._free[b]]
+
+    def audit(self, tables: Iterable[Blocks[int]]) -> None:
+        """Check the books against the rows' block tables (tests call it after every step):
+        each block's references equal the tables naming it, held + cached + free = all."""
+        refs = [0] * self.num_blocks
+        for table in tables:
+            for block in table:
+                refs[block] += 1
+        assert refs == self._refs, "reference counts differ from the rows' block tables"
+        free = [b for b in range(self.num_blocks) if self._free[b]]
+        assert len(free) == self._free_count and all(refs[b] == 0 for b in free)
+        assert all(self._key_of[b] is None for b in free), "a free block kept its key"
+        assert all(refs[b] == 0 and self._key_of[b] is not None for b in self._evictable)
+        unheld = {b for b in range(self.num_blocks) if refs[b] == 0}
+        assert unheld == set(free) | set(self._evictable), "an unheld block is lost"
+        assert all(self._key_of[b] == k for k, b in self._by_key.items())
+        assert sum(k is not None for k in self._key_of) == len(self._by_key)
+        assert self.used == sum(1 for r in refs if r), "used differs from the held blocks"

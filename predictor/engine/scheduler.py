@@ -58,21 +58,45 @@ class Scheduler:
                 self._waiting = deque(s for s in self._waiting if s not in gone)
         return gone
 
-    def admit(self, running_rows: int, cache: BlockAllocator) -> list[Sequence]:
+    def requeue(self, seq: Sequence) -> None:
+        """Put a preempted row back at the head of the queue (past the waiting limit: it was
+        admitted once); preempting newest first and requeueing each at the head keeps the
+        older ones first."""
+        with self._lock:
+            self._waiting.appendleft(seq)
+
+    def admit(
+        self, running_rows: int, cache: BlockAllocator, prefix_caching: bool = True
+    ) -> list[Sequence]:
         """Take waiting requests, oldest first, while rows and KV-cache blocks allow.
 
-        Each admitted request reserves the blocks its prompt and max_tokens may fill, so it can
-        never run out of cache later (the engine refuses a request larger than the whole cache).
+        A request takes the blocks of its longest cached prefix (never its last token: that
+        one's logits are needed) and new blocks for the rest of its prompt, when that leaves a
+        small headroom for the running rows to grow into (none needed by a lone request). Its
+        output later grows one block at a time; the step loop preempts when none is left.
         """
         admitted: list[Sequence] = []
+        size = cache.block_size
+        headroom = max(1, cache.num_blocks // 100)  # vLLM's watermark: 1% of the blocks
         with self._lock:
             while self._waiting and running_rows + len(admitted) < self.max_batch_size:
                 seq = self._waiting[0]
-                need = blocks_for(seq.budget_tokens, cache.block_size)
-                if not cache.can_reserve(need):
+                total = seq.total_tokens
+                hit: list[int] = []
+                if prefix_caching:
+                    hit = cache.match(seq.block_keys((total - 1) // size, size))
+                new = blocks_for(total, size) - len(hit)
+                spare = headroom if running_rows + len(admitted) else 0
+                if cache.available - cache.unheld(hit) < new + spare:
                     break
-                cache.reserve(need)
-                seq.reserved_blocks = need
+                cache.share(hit)
+                # room to grow adjacent: the output's blocks, up to 16 of them
+                grow = blocks_for(min(seq.params.max_tokens, 16 * size), size)
+                seq.blocks = hit + cache.allocate(new, claim=new + grow)
+                seq.cached = len(hit) * size
+                seq.registered = len(hit)
+                if not seq.preemptions:
+                    seq.cached_prompt_tokens = seq.cached
                 admitted.append(self._waiting.popleft())
         return admitted
 

@@ -1,11 +1,18 @@
 """The step loop: one thread that runs the batch one token at a time.
 
-Each step: retire aborted and timed-out rows, admit waiting requests (each reserves the KV
-blocks it may need), then run one forward pass that feeds every decoding row its last token and
-the prefilling rows the next chunks of their prompts, within a per-step token budget (chunked
-prefill: a long prompt never stalls the running streams for more than a chunk), sample the rows
-that got logits and send each row its event. This is the only loop over the batch, and the only
-code that calls the runner.
+Each step: retire aborted and timed-out rows, admit waiting requests (each takes its cached
+prefix and blocks for the rest of its prompt), give each decoding row the block its next token
+needs (preempting the most recently admitted rows when the cache is dry), then run one forward
+pass that feeds every decoding row its last token and the prefilling rows the next chunks of
+their prompts, within a per-step token budget (chunked prefill: a long prompt never stalls the
+running streams for more than a chunk), sample the rows that got logits, send each row its
+event and offer the blocks that filled up to the prefix cache. This is the only loop over the
+batch, and the only code that calls the runner.
+
+Preemption by recompute (vLLM's): a preempted row gives back its blocks and goes back to the
+head of the queue with its output so far; readmitted, it prefills prompt + output (mostly from
+its own blocks, still cached unless evicted) and samples on from where it stopped, with the
+same generator, so its stream neither repeats nor loses a token.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from predictor.engine.batch import Batch, Sequence
-from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.kv_cache import BlockAllocator
 from predictor.engine.sampling import make_generator, sample
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step import Runner, StepRow
@@ -40,6 +47,9 @@ class StepLoop:
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[int], None] | None = None,
         on_admit: Callable[[float], None] | None = None,
+        prefix_caching: bool = True,
+        on_prefix_cache: Callable[[int, int], None] | None = None,
+        on_preempt: Callable[[], None] | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -50,6 +60,10 @@ class StepLoop:
         self._clock = clock
         self._on_step = on_step  # called with the number of rows that got a token, each step
         self._on_admit = on_admit  # called with each admitted request's waiting time
+        self.prefix_caching = prefix_caching
+        # called at each request's first admission with (prompt tokens, of them cached)
+        self._on_prefix_cache = on_prefix_cache
+        self._on_preempt = on_preempt  # called once per preemption
         # called on this thread after each step: AsyncEngine hands the step's events to asyncio
         # in one batch there (one wake-up of the event loop per step, not one per row)
         self.after_step: Callable[[], None] | None = None
@@ -118,8 +132,8 @@ class StepLoop:
         for seq in self.scheduler.drop_aborted():
             seq.finish(FinishReason.CANCELLED)
         now = self._clock()
-        for seq in self.scheduler.drop_expired(now):  # never prefilled
-            seq.finish(FinishReason.TIMEOUT)
+        for seq in self.scheduler.drop_expired(now):  # not running (never, or preempted)
+            seq.finish(FinishReason.TIMEOUT, seq.detokenizer.flush() if seq.output_ids else "")
         for seq in self.batch.rows:
             if seq.aborted:
                 seq.finish(FinishReason.CANCELLED, seq.detokenizer.flush())
@@ -128,16 +142,21 @@ class StepLoop:
         self._compact()
 
     def _admit(self) -> None:
-        admitted = self.scheduler.admit(len(self.batch), self.allocator)
+        admitted = self.scheduler.admit(len(self.batch), self.allocator, self.prefix_caching)
         if not admitted:
             return
         now = self._clock()
         joined = []
         for seq in admitted:
+            if seq.preemptions:  # resumed: its generator, queue time and cache query stand
+                joined.append(seq)
+                continue
             try:
                 seq.generator = make_generator(seq.params.seed, self.runner.device)
                 if self._on_admit is not None:
                     self._on_admit(now - seq.arrival)
+                if self._on_prefix_cache is not None and self.prefix_caching:
+                    self._on_prefix_cache(len(seq.prompt_ids), seq.cached_prompt_tokens)
             except Exception:  # fails this request only; its reservation goes back
                 log.exception("admitting request %s failed", seq.request_id)
                 seq.finish(FinishReason.ERROR, error="the request could not be admitted")
@@ -145,6 +164,36 @@ class StepLoop:
                 continue
             joined.append(seq)
         self.batch.extend(joined)
+
+    def _grow(self) -> None:
+        """Give each decoding row, oldest first, the block its next token needs; when none is
+        available, preempt the most recently admitted row (the row itself, if it is that)."""
+        rows = self.batch.rows
+        size = self.allocator.block_size
+        i = 0
+        while i < len(rows):
+            seq = rows[i]
+            if seq.cached < len(seq.blocks) * size:  # prompts got their blocks at admission
+                i += 1
+                continue
+            while not self.allocator.available and rows[-1] is not seq:
+                self._preempt(rows[-1])
+            if not self.allocator.available:
+                self._preempt(seq)
+                continue
+            after = seq.blocks[-1] if seq.blocks else None
+            seq.blocks.extend(self.allocator.allocate(1, after))
+            i += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Take the row out of the batch, free its blocks and queue it to be recomputed."""
+        self.batch.rows.remove(seq)
+        self._free(seq)
+        seq.cached = seq.registered = 0
+        seq.preemptions += 1
+        self.scheduler.requeue(seq)
+        if self._on_preempt is not None:
+            self._on_preempt()
 
     def _plan(self) -> tuple[list[Sequence], list[StepRow]]:
         """Who is fed what this step: every decoding row one token, then prompt chunks."""
@@ -162,21 +211,29 @@ class StepLoop:
         for seq in prefilling:
             if budget <= 0 and rows:
                 break
-            chunk = seq.prompt_ids[seq.cached : seq.cached + max(budget, 1)]
+            total = seq.total_tokens
+            end = min(total, seq.cached + max(budget, 1))
+            chunk = seq.tokens(seq.cached, end)
             budget -= len(chunk)
-            done = seq.cached + len(chunk) == len(seq.prompt_ids)
             fed.append(seq)
-            rows.append(StepRow(seq.blocks, seq.cached, chunk, logits=done))
-        for seq, row in zip(fed, rows, strict=True):
-            need = blocks_for(row.start + len(row.tokens), self.allocator.block_size)
-            if need > len(seq.blocks):  # next to the row's blocks, or where its reservation fits
-                after = seq.blocks[-1] if seq.blocks else None
-                more = self.allocator.allocate(need - len(seq.blocks), after, seq.reserved_blocks)
-                seq.blocks.extend(more)
+            rows.append(StepRow(seq.blocks, seq.cached, chunk, logits=end == total))
         return fed, rows
 
+    def _register(self, seq: Sequence) -> None:
+        """Offer the row's blocks that are full and computed to the prefix cache."""
+        size = self.allocator.block_size
+        full = seq.cached // size
+        if seq.registered < full:
+            keys = seq.block_keys(full, size)
+            for i in range(seq.registered, full):
+                self.allocator.register(seq.blocks[i], keys[i])
+            seq.registered = full
+
     def _forward(self) -> None:
+        self._grow()
         fed, rows = self._plan()
+        if not rows:  # every row was preempted
+            return
         try:
             logits = self.runner.forward(rows)
         except Exception:  # the detail goes to the log, a short message to the clients
@@ -188,6 +245,8 @@ class StepLoop:
         sampled = []
         for seq, row in zip(fed, rows, strict=True):
             seq.cached += len(row.tokens)
+            if self.prefix_caching:
+                self._register(seq)
             if row.logits:
                 sampled.append(seq)
         self._accept(sampled, logits)
@@ -247,8 +306,7 @@ class StepLoop:
 
     def _free(self, seq: Sequence) -> None:
         self.allocator.free(seq.blocks)
-        self.allocator.release(seq.reserved_blocks)
-        seq.blocks, seq.reserved_blocks = [], 0
+        seq.blocks = []
 
     def _fail_all(self, message: str) -> None:
         for seq in self.batch.rows:

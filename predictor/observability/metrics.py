@@ -7,7 +7,10 @@ stream in `observe`.
 The queue, running and KV-cache gauges are what KEDA and the Gateway API Inference Extension's
 endpoint picker read; with `vllm_aliases` they are also exported under vLLM's names
 (`vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`, labelled
-`model_name` as vLLM does) for pickers and dashboards that expect those.
+`model_name` as vLLM does) for pickers and dashboards that expect those, and so are the prefix
+cache's token counters and preemptions (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`,
+`vllm:num_preemptions`) and the cache's shape (`vllm:cache_config_info{block_size,
+num_gpu_blocks}`, read by the endpoint picker's prefix scorer).
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ VLLM_ALIASES = {
     "predictor_num_requests_running": "vllm:num_requests_running",
     "predictor_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
 }
+# our counter -> vLLM's (both exported with the _total suffix)
+VLLM_COUNTER_ALIASES = {
+    "predictor_prefix_cache_queries": "vllm:prefix_cache_queries",
+    "predictor_prefix_cache_hits": "vllm:prefix_cache_hits",
+    "predictor_num_preemptions": "vllm:num_preemptions",
+}
+_CACHE_LABELS = ["block_size", "num_gpu_blocks", "enable_prefix_caching"]
 
 
 class Metrics:
@@ -93,15 +103,48 @@ class Metrics:
         )  # fmt: skip
         self.kv_cache_usage = Gauge(
             "predictor_kv_cache_usage_ratio",
-            "KV-cache tokens held by running requests over the cache budget (0-1).",
+            "Share of the KV cache's blocks held by running requests (0-1); cached prefixes "
+            "no request holds count as free.",
             labels, registry=registry,
         )  # fmt: skip
+        self.prefix_cache_queries = Counter(
+            "predictor_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (at each request's admission).",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.prefix_cache_hits = Counter(
+            "predictor_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not computed).", labels, registry=registry,
+        )  # fmt: skip
+        self.preemptions = Counter(
+            "predictor_num_preemptions",
+            "Rows preempted (blocks freed, recomputed later) because the KV cache was full.",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.cache_config = Gauge(
+            "predictor_cache_config_info", "The KV cache's shape (value 1).", _CACHE_LABELS,
+            registry=registry,
+        )  # fmt: skip
         self.aliases: dict[str, Gauge] = {}
+        self.counter_aliases: dict[str, Counter] = {}
+        self.vllm_cache_config: Gauge | None = None
         if vllm_aliases:
             for ours, theirs in VLLM_ALIASES.items():
                 self.aliases[ours] = Gauge(
                     theirs, f"Same as {ours} (vLLM's name).", ["model_name"], registry=registry
                 )
+            for ours, theirs in VLLM_COUNTER_ALIASES.items():
+                self.counter_aliases[ours] = Counter(
+                    theirs, f"Same as {ours} (vLLM's name).", ["model_name"], registry=registry
+                )
+            self.vllm_cache_config = Gauge(
+                "vllm:cache_config_info", "Same as predictor_cache_config_info (vLLM's name).",
+                _CACHE_LABELS, registry=registry,
+            )  # fmt: skip
+        for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions):
+            counter.labels(model_name)  # on /metrics at 0 from the start, as vLLM's are
+        for alias in self.counter_aliases.values():
+            alias.labels(model_name)
         self.loop_tasks = Gauge(
             "predictor_event_loop_tasks", "asyncio tasks alive on the server's event loop.",
             registry=registry,
@@ -116,6 +159,28 @@ class Metrics:
     def track_kv_cache(self, usage: Callable[[], float]) -> None:
         """`usage`: the fraction of the KV-cache budget in use now, read at each scrape."""
         self._track(self.kv_cache_usage, "predictor_kv_cache_usage_ratio", usage)
+
+    def describe_cache(self, block_size: int, num_blocks: int, prefix_caching: bool) -> None:
+        """Publish the KV cache's shape (once, at start)."""
+        values = (str(block_size), str(num_blocks), str(prefix_caching))
+        self.cache_config.labels(*values).set(1)
+        if self.vllm_cache_config is not None:
+            self.vllm_cache_config.labels(*values).set(1)
+
+    def observe_prefix_cache(self, queried: int, hits: int) -> None:
+        """Called by the step loop at a request's first admission: its prompt tokens, and how
+        many of them the prefix cache held."""
+        self._count(self.prefix_cache_queries, "predictor_prefix_cache_queries", queried)
+        self._count(self.prefix_cache_hits, "predictor_prefix_cache_hits", hits)
+
+    def observe_preemption(self) -> None:
+        self._count(self.preemptions, "predictor_num_preemptions", 1)
+
+    def _count(self, counter: Counter, name: str, amount: int) -> None:
+        counter.labels(self.model_name).inc(amount)
+        alias = self.counter_aliases.get(name)
+        if alias is not None:
+            alias.labels(self.model_name).inc(amount)
 
     def _track(self, gauge: Gauge, name: str, read: Callable[[], float]) -> None:
         gauge.labels(self.model_name).set_function(read)

@@ -58,3 +58,23 @@ def test_placement_never_costs_capacity() -> None:
     for row in rows:
         cache.free(row)
     assert cache.used == 0 and cache.allocate(50) == list(range(50))
+
+
+def test_under_pressure_rows_stay_adjacent_and_eviction_is_lru() -> None:
+    """A cache full of cached blocks no row holds (a long-running server): a new row's first
+    blocks are the least recently used ones in block order, and a growing row evicts its next
+    block rather than another."""
+    cache = BlockAllocator(num_blocks=12, block_size=4)
+    old = [cache.allocate(4, claim=4) for _ in range(3)]  # blocks 0-3, 4-7, 8-11
+    for r, blocks in enumerate(old):
+        for i, block in enumerate(blocks):
+            cache.register(block, (None, (r, i), None))
+        cache.free(blocks)
+    assert cache.used == 0 and cache.available == 12 and cache.cached == 12
+    row = cache.allocate(3, claim=3)
+    assert row == [1, 2, 3]  # the first row's tail first (its prefix outlives it)
+    assert cache.match([(None, (0, 0), None)]) == [0]  # its first block is still cached
+    row.extend(cache.allocate(1, after=row[-1]))
+    assert row == [1, 2, 3, 4]  # the next block, evicted out of turn to stay adjacent
+    assert cache.match([(None, (1, 0), None)]) == []
+    cache.audit([row])

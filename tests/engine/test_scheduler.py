@@ -18,19 +18,42 @@ def seq(prompt_len: int, max_tokens: int, rid: str = "r", deadline: float | None
     return s
 
 
-def test_admits_in_order_within_rows_and_blocks() -> None:
+def test_admits_in_order_by_prompt_blocks_with_headroom() -> None:
     s = Scheduler(max_batch_size=3, max_waiting=10)
-    cache = BlockAllocator(num_blocks=10, block_size=10)  # 100 tokens
-    a, b, c, d = seq(10, 20), seq(10, 20), seq(50, 10), seq(1, 1)
+    cache = BlockAllocator(num_blocks=10, block_size=10)  # 100 tokens, headroom 1 block
+    a, b, c, d = seq(10, 90), seq(10, 90), seq(75, 10), seq(1, 1)
     for x in (a, b, c, d):
         s.add(x)
-    # a + b reserve 3 + 3 blocks; c needs 6 more of the 4 left: c waits, and d behind it (FCFS)
+    # a and b take their prompt's block each (max_tokens reserves nothing); c needs 8 of the
+    # 8 left plus the headroom: c waits, and d behind it (FCFS)
     assert s.admit(0, cache) == [a, b]
-    assert cache.reserved == 6 and a.reserved_blocks == 3
+    assert cache.used == 2 and len(a.blocks) == 1 and len(b.blocks) == 1
     assert s.admit(2, cache) == []
-    cache.release(6)
-    assert s.admit(0, cache) == [c, d]
-    assert cache.reserved == 7
+    cache.free(a.blocks)
+    assert s.admit(1, cache) == [c]  # 8 + 1 of 9; d would leave no headroom
+    assert cache.used == 9 and len(c.blocks) == 8
+    assert s.admit(0, BlockAllocator(1, 10)) == [d]  # a lone request needs no headroom
+
+
+def test_a_prefix_hit_takes_the_cached_blocks_and_never_the_last_token() -> None:
+    s = Scheduler(max_batch_size=4, max_waiting=10)
+    cache = BlockAllocator(num_blocks=20, block_size=4)
+    first = seq(12, 4, "first")
+    s.add(first)
+    assert s.admit(0, cache) == [first]
+    for i, key in enumerate(first.block_keys(3, 4)):  # as the step loop does once computed
+        cache.register(first.blocks[i], key)
+    cache.free(first.blocks)  # finished: its blocks stay cached
+    assert cache.used == 0 and cache.available == 20 and cache.cached == 3
+    same, longer = seq(12, 4, "same"), seq(14, 4, "longer")
+    s.add(same)
+    s.add(longer)
+    assert s.admit(0, cache) == [same, longer]
+    assert same.blocks[:2] == first.blocks[:2] and same.blocks[2] != first.blocks[2]
+    assert same.cached == 8  # 12 tokens: the last block is computed for the last token
+    assert longer.blocks[:3] == first.blocks and longer.cached == 12
+    assert same.cached_prompt_tokens == 8 and longer.cached_prompt_tokens == 12
+    cache.audit([same.blocks, longer.blocks])
 
 
 def test_row_limit() -> None:
@@ -77,4 +100,4 @@ def test_allocator_counts_blocks_and_reuses_freed_ones() -> None:
     assert cache.allocate(1) == first[1:2]  # the block just freed, still warm
     with pytest.raises(MemoryError):
         cache.allocate(2)
-    assert cache.can_reserve(4) and not cache.can_reserve(5)
+    assert cache.available == 1

@@ -12,9 +12,11 @@ from pathlib import Path
 
 from load.bench_peers import (
     SECTION,
+    SHARED_SECTION,
     Measured,
     Memory,
     format_section,
+    format_shared_section,
     format_table,
     process_tree,
     replace_section,
@@ -107,3 +109,22 @@ def test_bench_peers_measures_our_server(tiny_gptq_dir: Path, tmp_path: Path) ->
     assert "expected" not in text  # every request gave exactly --max-tokens tokens
     memory = " ".join(text.split()).split("vLLM-CPU -; ours ")[1]
     assert float(memory.split(" MiB RSS")[0]) > 50
+
+
+def test_shared_prefix_section_has_hit_rates_and_ratios() -> None:
+    args = argparse.Namespace(
+        threads=1, max_tokens=32, cpus=2, concurrency=[1, 8], min_requests=8,
+        load_average=(1.0, 2.0, 3.0),
+    )  # fmt: skip
+
+    def shared(tok_s: float, ttft: float, hit: float | None) -> dict:
+        return {**_row(tok_s, ttft=ttft), "ttft_p95": ttft, "hit_rate": hit}
+
+    ours = Measured("ours", {1: shared(40.0, 0.15, 0.99), 8: shared(100.0, 0.6, 0.98)})
+    off = Measured("ours-nocache", {1: shared(8.0, 3.0, 0.0), 8: shared(8.0, 19.0, None)})
+    section = format_shared_section([ours, off], args, datetime.date(2026, 12, 1))
+    assert section.startswith(SHARED_SECTION + "\n")
+    assert "| ours | 1 | 150 | 150 | 40.0 | 99% |" in section
+    assert "| ours-nocache | 8 | 19000 | 19000 | 8.0 | - |" in section
+    assert "C=1: ours / ours-nocache TTFT p50 0.05x, tokens/s 5.00x" in section
+    assert "C=8: ours / ours-nocache TTFT p50 0.03x, tokens/s 12.50x" in section

@@ -131,7 +131,7 @@ def test_server_counts_rest_and_grpc_alike(server) -> None:  # type: ignore[no-u
 
 async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_dense: Tiny) -> None:
     """The gauge, read the way a scrape reads it, after every step of a run where the cache
-    (not the row limit) makes requests wait; vLLM's alias reads the same."""
+    (not the row limit) runs dry and rows are preempted; vLLM's alias reads the same."""
     from predictor.engine.kv_cache import BlockAllocator
     from predictor.engine.scheduler import Scheduler
     from predictor.engine.step_loop import StepLoop
@@ -141,16 +141,18 @@ async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_den
     metrics = Metrics(registry, "tiny", vllm_aliases=True)
     allocator = BlockAllocator(blocks, block)
     runner = tiny_dense.runner(num_blocks=blocks, block_size=block)
-    loop = StepLoop(runner, Scheduler(8, 64), frozenset(), allocator)
+    loop = StepLoop(
+        runner, Scheduler(8, 64), frozenset(), allocator, on_preempt=metrics.observe_preemption
+    )
     metrics.track_kv_cache(allocator.usage)
-    samples: list[tuple[float, float, float, float]] = []
+    samples: list[tuple[float, float, float]] = []
 
     def on_step(rows: int) -> None:  # the step loop's thread, between two steps: a still batch
-        held = sum(-(-s.cached // block) for s in loop.batch.rows)  # blocks the rows fill
-        reserved = sum(s.reserved_blocks for s in loop.batch.rows)
+        held = {b for s in loop.batch.rows for b in s.blocks}  # blocks the rows hold
+        assert all(len(s.blocks) * block >= s.cached for s in loop.batch.rows)
         gauge = value(registry, "predictor_kv_cache_usage_ratio")
         alias = registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "tiny"})
-        samples.append((gauge, held / blocks, reserved / blocks, alias or 0.0))
+        samples.append((gauge, len(held) / blocks, alias or 0.0))
 
     loop._on_step = on_step
     engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
@@ -170,9 +172,48 @@ async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_den
     per_request = -(-(prompt_tokens + max_tokens) // block)
     assert 3 * per_request <= blocks < 6 * per_request  # the cache, not the rows, limits
     assert samples
-    for gauge, exact, reserved, alias in samples:
+    for gauge, exact, alias in samples:
         assert gauge == pytest.approx(exact, abs=1e-12)
         assert alias == gauge
-        assert 0.0 < gauge <= reserved <= 1.0  # held never exceeds what the scheduler reserved
+        assert 0.0 < gauge <= 1.0
+    preempted = value(registry, "predictor_num_preemptions_total")
+    assert preempted > 0  # all six were admitted by their prompts and grew past the cache
+    assert (
+        registry.get_sample_value("vllm:num_preemptions_total", {"model_name": "tiny"}) == preempted
+    )
     # under load the cache filled past half its size, and requests waited for room
     assert max(s[0] for s in samples) > 0.5
+
+
+async def test_prefix_cache_counters_and_cache_config(tiny_dense: Tiny) -> None:
+    """Token counters at each request's admission (vLLM's meaning: hits / queries is the
+    hit rate), under our names and vLLM's, and the cache's shape for the endpoint picker."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, "tiny", vllm_aliases=True)
+    loop = new_loop(tiny_dense.runner(num_blocks=64, block_size=4), frozenset())
+    loop._on_prefix_cache = metrics.observe_prefix_cache
+    metrics.describe_cache(4, 64, True)
+    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=200)
+    engine.start()
+    document = "A shared document that every question repeats word for word. " * 3
+    try:
+        first = await complete(engine.generate(GenerateRequest("a", document + "One?")))
+        second = await complete(engine.generate(GenerateRequest("b", document + "Two?")))
+        salted = await complete(
+            engine.generate(GenerateRequest("c", document + "Two?", cache_salt="other"))
+        )
+    finally:
+        engine.stop()
+    prompt = len(tiny_dense.tokenizer.encode(document + "One?"))
+    assert first.usage.cached_tokens == 0 and salted.usage.cached_tokens == 0
+    assert second.usage.cached_tokens >= prompt - 12 and second.usage.cached_tokens % 4 == 0
+    queries = value(registry, "predictor_prefix_cache_queries_total")
+    hits = value(registry, "predictor_prefix_cache_hits_total")
+    total = first.usage.prompt_tokens + second.usage.prompt_tokens + salted.usage.prompt_tokens
+    assert queries == total and hits == second.usage.cached_tokens
+    for name, ours in (("vllm:prefix_cache_queries_total", queries),
+                       ("vllm:prefix_cache_hits_total", hits)):  # fmt: skip
+        assert registry.get_sample_value(name, {"model_name": "tiny"}) == ours
+    labels = {"block_size": "4", "num_gpu_blocks": "64", "enable_prefix_caching": "True"}
+    assert registry.get_sample_value("vllm:cache_config_info", labels) == 1
+    assert registry.get_sample_value("predictor_cache_config_info", labels) == 1

@@ -6,6 +6,7 @@ from kserve import InferInput, InferRequest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 
 from predictor.errors import InvalidRequest
+from predictor.protocols import generate as oip
 from predictor.protocols import limits, v2
 from predictor.protocols.triton.requests import decode_infer_request as decode_v2
 from predictor.types import Completion, FinishReason, GenerateRequest, Usage
@@ -103,14 +104,14 @@ def test_bad_inputs() -> None:
 
 
 def test_response_rest_and_grpc() -> None:
-    done = [Completion("r", "héllo", FinishReason.LENGTH, Usage(3, 4))]
+    done = [Completion("r", "héllo", FinishReason.LENGTH, Usage(3, 4, cached_tokens=2))]
     rest = encode(_request(["a"]), done)
     body, _ = rest.to_rest()
     assert body["outputs"][0]["data"] == ["héllo"]
     assert body["parameters"] == {
         "prompt_tokens": 3,
         "generated_tokens": 4,
-        "cached_tokens": 0,
+        "cached_tokens": 2,
         "finish_reason": "length",
     }
     msg = pb.ModelInferRequest(model_name="m", id="g")
@@ -155,3 +156,15 @@ def test_check_plain_refuses_surrogates_in_non_ascii_strings_only() -> None:
     limits.check_plain({"a": "caf\u00e9 " * 1000, "b": "plain"}, 32)
     with pytest.raises(InvalidRequest, match="surrogate"):
         limits.check_plain({"a": "caf\u00e9 \ud800"}, 32)
+
+
+def test_cache_salt_is_a_non_empty_string() -> None:
+    body = {"text_input": "hi", "parameters": {"cache_salt": "tenant-7"}}
+    lim = limits.Limits(8, 32)
+    assert oip.decode_generate_request(body, lim, False)[0].cache_salt == "tenant-7"
+    assert oip.decode_generate_request({"text_input": "hi"}, lim, False)[0].cache_salt is None
+    for bad in ("", 5, "x" * 300):
+        with pytest.raises(InvalidRequest, match="cache_salt"):
+            oip.decode_generate_request(
+                {"text_input": "hi", "parameters": {"cache_salt": bad}}, lim, False
+            )
