@@ -16,6 +16,21 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated text, as the request gave it (the engine compiles it).
+
+    kind: "json_schema" (text: the schema's JSON), "json_object" (any JSON object; text ""),
+    "regex" (text: the pattern), "choice" (text: a JSON list of the allowed strings) or "ebnf"
+    (text: an EBNF grammar, xgrammar's / GBNF dialect, rule `root`). `param` names the request key
+    it came from, for the 400 when the engine cannot enforce it.
+    """
+
+    kind: str
+    text: str
+    param: str = "structured_outputs"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation controls. temperature 0 means greedy."""
 
@@ -34,6 +49,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
     logprobs: int | None = None
+    # the text must match this grammar: a finished grammar ends the request (EOS)
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:

@@ -4,7 +4,9 @@ Events cross from the step loop thread to the event loop in one place only: the 
 `_sequence` collects each step's events, and `_flush` (run by the step loop after each step)
 hands them over with one `loop.call_soon_threadsafe` per step, not one per row.
 
-Tokenization and chat templating run in a worker thread, never on the event loop. A request
+Tokenization, chat templating and grammar compiling (engine/grammar.py, made on first use, so a
+server that never sees a grammar never loads it) run in a worker thread, never on the event
+loop nor on the step loop. A request
 with several prompts is one unit (`generate_all`): admitted whole or refused whole.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -64,6 +67,8 @@ class AsyncEngine:
         self._outbox = []
         step_loop.after_step = self._flush
         self._keys = itertools.count()
+        self._grammars: Any = None  # engine.grammar.Grammars, made by the first grammar
+        self._grammars_lock = threading.Lock()
         self._accepting = True
         self._started = False
         self._stopped = False
@@ -139,6 +144,21 @@ class AsyncEngine:
                 f"{self.max_prompt_tokens} tokens"
             )
 
+    def grammars(self) -> Any:
+        """The grammar compiler (blocking the first time: it reads the vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from predictor.engine.grammar import Grammars  # xgrammar loads only when used
+
+                self._grammars = Grammars(self._tokenizer, self._loop.eos_ids)
+            return self._grammars
+
+    def prepare(self, request: GenerateRequest) -> tuple[list[int], Any]:
+        """The prompt's tokens and its compiled grammar, if any (blocking: a worker thread)."""
+        ids = self.encode_prompt(request)
+        grammar = request.params.grammar
+        return ids, None if grammar is None else self.grammars().compile(grammar)
+
     def _check(self, request: GenerateRequest) -> None:
         max_tokens = request.params.max_tokens
         if not 1 <= max_tokens <= self.max_tokens_limit:
@@ -179,13 +199,16 @@ class AsyncEngine:
         self._preparing += len(requests)
         try:
             # off the event loop: a long prompt must not stall the other streams
-            prompts = await asyncio.to_thread(lambda: [self.encode_prompt(r) for r in requests])
-            for request, prompt_ids in zip(requests, prompts, strict=True):
+            prepared = await asyncio.to_thread(lambda: [self.prepare(r) for r in requests])
+            for request, (prompt_ids, _) in zip(requests, prepared, strict=True):
                 self._check_fits(prompt_ids, request.params.max_tokens)
             if not self.health():  # drained or stopped while tokenizing
                 raise EngineUnavailable("the engine is not accepting requests")
             loop = asyncio.get_running_loop()
-            made = [self._sequence(r, p, loop) for r, p in zip(requests, prompts, strict=True)]
+            made = [
+                self._sequence(r, ids, loop, compiled)
+                for r, (ids, compiled) in zip(requests, prepared, strict=True)
+            ]
             self._loop.scheduler.add_all([seq for seq, _ in made])  # raises Overloaded
         finally:
             self._preparing -= len(requests)
@@ -198,7 +221,11 @@ class AsyncEngine:
         return streams
 
     def _sequence(
-        self, request: GenerateRequest, prompt_ids: list[int], loop: asyncio.AbstractEventLoop
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        loop: asyncio.AbstractEventLoop,
+        compiled: Any = None,
     ) -> tuple[EngineSequence, asyncio.Queue[TokenEvent]]:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -215,6 +242,7 @@ class AsyncEngine:
             ),
             sink=sink,
             deadline=None if timeout is None else time.monotonic() + timeout,
+            matcher=None if compiled is None else self.grammars().matcher(compiled),
         )
         return seq, queue
 
