@@ -298,7 +298,10 @@ def test_streamed_logprobs_cover_every_token(server: ServerProcess) -> None:
             {
                 "model": "tiny",
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "format": "email"}},
+                },
             },
             400,
             "response_format",
