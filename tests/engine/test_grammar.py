@@ -153,3 +153,19 @@ def test_schema_keywords_inside_data_are_not_keywords() -> None:
     check_schema({"enum": [{"format": 1}], "properties": {"format": {"type": "string"}}}, "p")
     with pytest.raises(InvalidRequest, match="'not'"):
         check_schema({"properties": {"a": {"not": {}}}}, "p")
+
+
+async def test_a_cancelled_grammar_row_frees_its_place(tiny_dense: Tiny) -> None:
+    with running(tiny_dense) as engine:
+        params = schema_params({"type": "array", "items": WORD}, max_tokens=200)
+        stream = engine.generate(GenerateRequest("c", "x", params))
+        first = await stream.__anext__()
+        assert first.text.startswith("[")
+        await stream.aclose()
+        for _ in range(200):
+            if engine.running() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.running() == 0
+        out = await complete(engine.generate(GenerateRequest("d", "x", schema_params(SCHEMAS[1]))))
+        jsonschema.validate(json.loads(out.text), SCHEMAS[1])
