@@ -49,6 +49,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
     logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # the text must match this grammar: a finished grammar ends the request (EOS)
     grammar: Grammar | None = None
 
@@ -62,6 +64,7 @@ class SamplingParams:
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
         )
 
 

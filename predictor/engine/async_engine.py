@@ -156,6 +156,13 @@ class AsyncEngine:
     def prepare(self, request: GenerateRequest) -> tuple[list[int], Any]:
         """The prompt's tokens and its compiled grammar, if any (blocking: a worker thread)."""
         ids = self.encode_prompt(request)
+        size: Any = getattr(self._tokenizer, "__len__", None)
+        vocab = size() if size is not None else None
+        if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
+            raise InvalidRequest(
+                f"logit_bias names a token id outside the vocabulary ({vocab} tokens)",
+                param="logit_bias",
+            )
         grammar = request.params.grammar
         return ids, None if grammar is None else self.grammars().compile(grammar)
 

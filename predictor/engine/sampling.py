@@ -135,7 +135,7 @@ def _special(row: RowState, eos_ids: Collection[int]) -> bool:
 
 def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
     """The repetition penalty (HF / vLLM: prompt and generated tokens, applied first), then
-    OpenAI's presence and frequency penalties over each asking row's generated tokens."""
+    OpenAI's logit_bias, presence and frequency penalties over each asking row's tokens."""
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
@@ -148,6 +148,10 @@ def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
             logits[i, seen] = torch.where(
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
+        if p.logit_bias:  # OpenAI: added to the logits before sampling
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], device=logits.device)
+            bias = [b for t, b in p.logit_bias if t < vocab]
+            logits[i, ids] += torch.tensor(bias, device=logits.device)
         if row.output_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             ids = torch.tensor(row.output_ids, device=logits.device)
             counts = torch.bincount(ids, minlength=vocab)[:vocab]

@@ -24,13 +24,14 @@ from predictor.errors import InvalidRequest
 from predictor.protocols.limits import check_plain
 from predictor.types import Grammar, SamplingParams
 
-Kind = Literal["integer", "number", "boolean", "stop", "grammar"]
+Kind = Literal["integer", "number", "boolean", "stop", "grammar", "bias"]
 ProtocolName = Literal["v2", "generate", "triton", "openai"]
 ALL: frozenset[str] = frozenset({"v2", "generate", "triton", "openai"})
 OIP: frozenset[str] = frozenset({"v2", "generate", "triton"})
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 SEED_LIMIT = 2**63  # seeds are non-negative 64-bit integers
 
 
@@ -94,6 +95,9 @@ TABLE: tuple[Parameter, ...] = (
     Parameter("repetition_penalty", "number", 1.0, "divides positive and multiplies negative "
               "logits of prompt and generated tokens (HF, vLLM, TGI; 1: off, > 1 penalises)",
               low=0, low_open=True, tensor="FP32"),
+    Parameter("logit_bias", "bias", (), "{token id: bias in [-100, 100]} added to the logits "
+              f"(OpenAI's; at most {MAX_LOGIT_BIAS} entries; over gRPC: a JSON string)",
+              low=-100, high=100),
     Parameter("structured_outputs", "grammar", None, "vLLM's constrained decoding: an object "
               "with one of json (a JSON schema), regex, choice (a list of strings), grammar "
               "(EBNF) or json_object: true (over gRPC: a string holding that object)",
@@ -210,6 +214,8 @@ def _check(row: Parameter, key: str, value: Any, max_depth: int) -> Any:
         return _stop(key, value, max_depth)
     if row.kind == "grammar":
         return _grammar(key, value, max_depth)
+    if row.kind == "bias":
+        return _bias(row, key, value, max_depth)
     if row.kind == "boolean":
         if not isinstance(value, bool):
             raise InvalidRequest(f"parameter '{key}' must be a boolean, got {value!r}", param=key)
@@ -258,6 +264,35 @@ def _stop(key: str, value: Any, max_depth: int) -> tuple[str, ...]:
     if any(s == "" for s in value):
         raise InvalidRequest("stop strings must not be empty", param=key)
     return tuple(value)
+
+
+def _bias(row: Parameter, key: str, value: Any, max_depth: int) -> tuple[tuple[int, float], ...]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequest(
+                f"parameter '{key}' is not a valid JSON object", param=key
+            ) from exc
+        check_plain(value, max_depth, where=f"parameter '{key}'")
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"parameter '{key}' must be an object of token id: bias", param=key)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"parameter '{key}' has {len(value)} entries; at most {MAX_LOGIT_BIAS}", param=key
+        )
+    out = []
+    for token, bias in value.items():
+        if not (isinstance(token, str) and re.fullmatch(r"\d{1,9}", token)):
+            raise InvalidRequest(f"parameter '{key}': '{token}' is not a token id", param=key)
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise InvalidRequest(f"parameter '{key}': bias of {token} must be a number", param=key)
+        if not row.within(bias):
+            raise InvalidRequest(
+                f"parameter '{key}': bias of {token} must be in {row.range_text()}", param=key
+            )
+        out.append((int(token), float(bias)))
+    return tuple(sorted(out))
 
 
 _STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")

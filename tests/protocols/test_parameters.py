@@ -153,3 +153,14 @@ def test_response_format_is_openai_s_and_means_the_same() -> None:
         with pytest.raises(InvalidRequest) as info:
             decode_completion({**body, **bad}, 16)
         assert info.value.param == param
+
+
+def test_logit_bias_is_one_row_read_alike_everywhere() -> None:
+    for bias in ({"5": 10, "3": -100}, json.dumps({"5": 10, "3": -100})):
+        got = every_protocol({"logit_bias": bias})
+        assert {p.logit_bias for p in got} == {((3, -100.0), (5, 10.0))}
+        assert all(p.penalized for p in got)
+    for bad in ({"x": 1}, {"5": 101}, {"5": "1"}, [1]):
+        with pytest.raises(InvalidRequest) as info:
+            decode_completion({"model": "m", "prompt": "hi", "logit_bias": bad}, 16)
+        assert info.value.param == "logit_bias"

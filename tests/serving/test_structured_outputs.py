@@ -129,3 +129,21 @@ def test_the_same_key_on_oip_v2_and_triton(server: ServerProcess) -> None:
     bad = {"text_input": "x", "parameters": {"structured_outputs": {"regex": "(?<=a)"}}}
     r = httpx.post(f"{base}/generate", json=bad, timeout=60)
     assert r.status_code == 400 and "structured_outputs" in r.text
+
+
+def test_logit_bias_through_the_sdk(server: ServerProcess) -> None:
+    ids = client(server).completions.create(
+        model="tiny", prompt="x", max_tokens=4, temperature=0, logprobs=0
+    )
+    forced = 42
+    out = client(server).completions.create(
+        model="tiny", prompt="x", max_tokens=4, temperature=0.9, logit_bias={str(forced): 100},
+        extra_body={"return_tokens_as_token_ids": True}, logprobs=0,
+    )  # fmt: skip
+    assert ids.choices[0].logprobs is not None and out.choices[0].logprobs is not None
+    assert out.choices[0].logprobs.tokens == [f"token_id:{forced}"] * 4
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server).completions.create(
+            model="tiny", prompt="x", max_tokens=4, logit_bias={"99999999": 1}
+        )
+    assert caught.value.body["param"] == "logit_bias"  # type: ignore[index]

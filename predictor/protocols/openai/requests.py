@@ -89,7 +89,6 @@ _HARMLESS: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v == "none",
     "function_call": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),  # only matters with tools
-    "logit_bias": _empty,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"],

@@ -83,7 +83,7 @@ def test_chat_logprobs_without_top() -> None:
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "auto"}, "tool_choice"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
-        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 500}}, "logit_bias"),
         ({"temperature": 2.5}, "temperature"),
         ({"temperature": "hot"}, "temperature"),
         ({"top_p": 0}, "top_p"),
