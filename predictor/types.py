@@ -79,6 +79,8 @@ class GenerateRequest:
     # renders it with the model's chat template (add_generation_prompt=True) instead of using
     # `prompt`. Adapters that set it for a lone user message also set prompt=content, chat=True.
     messages: tuple[dict[str, str], ...] | None = None
+    # the prompt as token ids (OpenAI completions' list-of-ints prompt): used as given
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

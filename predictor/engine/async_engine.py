@@ -112,7 +112,10 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, request: GenerateRequest) -> list[int]:
         """Template and tokenize (blocking: called in a worker thread by `generate_all`)."""
-        if request.messages is not None or request.chat:
+        if request.prompt_ids is not None:
+            self._check_ids(request.prompt_ids, "prompt")
+            ids = list(request.prompt_ids)
+        elif request.messages is not None or request.chat:
             conversation = (
                 list(request.messages)
                 if request.messages is not None
@@ -137,6 +140,25 @@ class AsyncEngine:
             )
         return ids
 
+    def _vocab_size(self) -> int | None:
+        size: Any = getattr(self._tokenizer, "__len__", None)
+        return size() if size is not None else None
+
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self._vocab_size()
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(
+                f"'{param}' holds a token id outside the vocabulary (0 to {vocab - 1})",
+                param=param,
+            )
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        return await asyncio.to_thread(self.encode_prompt, request)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        self._check_ids(ids, "tokens")
+        return await asyncio.to_thread(self._tokenizer.decode, list(ids))
+
     def _check_length(self, chars: int) -> None:
         if self._max_prompt_chars is not None and chars > self._max_prompt_chars:
             raise InvalidRequest(
@@ -156,8 +178,7 @@ class AsyncEngine:
     def prepare(self, request: GenerateRequest) -> tuple[list[int], Any]:
         """The prompt's tokens and its compiled grammar, if any (blocking: a worker thread)."""
         ids = self.encode_prompt(request)
-        size: Any = getattr(self._tokenizer, "__len__", None)
-        vocab = size() if size is not None else None
+        vocab = self._vocab_size()
         if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
             raise InvalidRequest(
                 f"logit_bias names a token id outside the vocabulary ({vocab} tokens)",

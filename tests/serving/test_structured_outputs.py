@@ -147,3 +147,37 @@ def test_logit_bias_through_the_sdk(server: ServerProcess) -> None:
             model="tiny", prompt="x", max_tokens=4, logit_bias={"99999999": 1}
         )
     assert caught.value.body["param"] == "logit_bias"  # type: ignore[index]
+
+
+def test_token_id_prompts_and_tokenize_detokenize(server: ServerProcess) -> None:
+    text = "Hello there, world"
+    for prefix in ("", "/v1"):
+        r = httpx.post(
+            f"{server.base_url}{prefix}/tokenize", json={"model": "tiny", "prompt": text}
+        )
+        assert r.status_code == 200, r.text
+        ids = r.json()["tokens"]
+        assert r.json()["count"] == len(ids) > 0
+        r = httpx.post(
+            f"{server.base_url}{prefix}/detokenize", json={"model": "tiny", "tokens": ids}
+        )
+        assert r.status_code == 200 and r.json()["prompt"] == text
+    chat = httpx.post(f"{server.base_url}/tokenize", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "return_token_strs": True})  # fmt: skip
+    assert chat.status_code == 200 and len(chat.json()["token_strs"]) == chat.json()["count"]
+    by_text = client(server).completions.create(
+        model="tiny", prompt=text, max_tokens=5, temperature=0
+    )
+    by_ids = client(server).completions.create(
+        model="tiny", prompt=ids, max_tokens=5, temperature=0
+    )
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)
+    two = client(server).completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=3)
+    assert len(two.choices) == 2
+    for bad in ({"model": "tiny", "tokens": [10**8]}, {"model": "tiny", "tokens": [-1]}):
+        r = httpx.post(f"{server.base_url}/detokenize", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("tokens")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server).completions.create(model="tiny", prompt=[10**8], max_tokens=3)
+    assert caught.value.body["param"] == "prompt"  # type: ignore[index]
