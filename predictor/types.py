@@ -16,6 +16,21 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A constraint on the generated text, as the request gave it (the engine compiles it).
+
+    kind: "json_schema" (text: the schema's JSON), "json_object" (any JSON object; text ""),
+    "regex" (text: the pattern), "choice" (text: a JSON list of the allowed strings) or "ebnf"
+    (text: an EBNF grammar, xgrammar's / GBNF dialect, rule `root`). `param` names the request key
+    it came from, for the 400 when the engine cannot enforce it.
+    """
+
+    kind: str
+    text: str
+    param: str = "structured_outputs"
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request generation controls. temperature 0 means greedy."""
 
@@ -34,6 +49,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # None: no logprobs; 0: the chosen token's logprob; k > 0: also the k most likely tokens
     logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling (OpenAI's logit_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # the text must match this grammar: a finished grammar ends the request (EOS)
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +64,7 @@ class SamplingParams:
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
         )
 
 
@@ -62,6 +82,8 @@ class GenerateRequest:
     # vLLM's cache_salt: prompts share cached KV blocks only with requests of the same salt
     # (None: the unsalted pool), so one tenant cannot learn another's prompts from timing
     cache_salt: str | None = None
+    # the prompt as token ids (OpenAI completions' list-of-ints prompt): used as given
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

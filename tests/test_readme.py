@@ -40,6 +40,7 @@ def test_readme_opens_with_the_two_commands() -> None:
         "tritonclient-grpc-stream",
         "openai-curl",
         "openai-sdk",
+        "openai-structured",
         "tritonclient-vllm",
     }
 
@@ -78,3 +79,12 @@ def test_python_snippets(server: ServerProcess, name: str, expected: str) -> Non
     assert expected in out
     if name == "tritonclient-vllm":  # the tokens asked for in sampling_parameters, no more
         assert "tokens: 16" in out
+
+
+def test_structured_outputs_snippet(server: ServerProcess) -> None:
+    out = run([sys.executable, "-c", adapt(SNIPPETS["openai-structured"], server)])
+    lines = out.splitlines()
+    assert lines[0].startswith("{")  # JSON mode (the tiny model may not close it in 100 tokens)
+    colour, reason = lines[1].split()
+    assert colour in ("black", "white", "ginger", "grey") and reason == "stop"
+    assert lines[2] in ("yes", "no")

@@ -4,7 +4,9 @@ Events cross from the step loop thread to the event loop in one place only: the 
 `_sequence` collects each step's events, and `_flush` (run by the step loop after each step)
 hands them over with one `loop.call_soon_threadsafe` per step, not one per row.
 
-Tokenization and chat templating run in a worker thread, never on the event loop. A request
+Tokenization, chat templating and grammar compiling (engine/grammar.py, made on first use, so a
+server that never sees a grammar never loads it) run in a worker thread, never on the event
+loop nor on the step loop. A request
 with several prompts is one unit (`generate_all`): admitted whole or refused whole.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -64,6 +67,8 @@ class AsyncEngine:
         self._outbox = []
         step_loop.after_step = self._flush
         self._keys = itertools.count()
+        self._grammars: Any = None  # engine.grammar.Grammars, made by the first grammar
+        self._grammars_lock = threading.Lock()
         self._accepting = True
         self._started = False
         self._stopped = False
@@ -107,7 +112,10 @@ class AsyncEngine:
     # -- requests -----------------------------------------------------------------------------
     def encode_prompt(self, request: GenerateRequest) -> list[int]:
         """Template and tokenize (blocking: called in a worker thread by `generate_all`)."""
-        if request.messages is not None or request.chat:
+        if request.prompt_ids is not None:
+            self._check_ids(request.prompt_ids, "prompt")
+            ids = list(request.prompt_ids)
+        elif request.messages is not None or request.chat:
             conversation = (
                 list(request.messages)
                 if request.messages is not None
@@ -132,12 +140,52 @@ class AsyncEngine:
             )
         return ids
 
+    def _vocab_size(self) -> int | None:
+        size: Any = getattr(self._tokenizer, "__len__", None)
+        return size() if size is not None else None
+
+    def _check_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self._vocab_size()
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(
+                f"'{param}' holds a token id outside the vocabulary (0 to {vocab - 1})",
+                param=param,
+            )
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        return await asyncio.to_thread(self.encode_prompt, request)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        self._check_ids(ids, "tokens")
+        return await asyncio.to_thread(self._tokenizer.decode, list(ids))
+
     def _check_length(self, chars: int) -> None:
         if self._max_prompt_chars is not None and chars > self._max_prompt_chars:
             raise InvalidRequest(
                 f"prompt is {chars} characters: more than the limit of "
                 f"{self.max_prompt_tokens} tokens"
             )
+
+    def grammars(self) -> Any:
+        """The grammar compiler (blocking the first time: it reads the vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from predictor.engine.grammar import Grammars  # xgrammar loads only when used
+
+                self._grammars = Grammars(self._tokenizer, self._loop.eos_ids)
+            return self._grammars
+
+    def prepare(self, request: GenerateRequest) -> tuple[list[int], Any]:
+        """The prompt's tokens and its compiled grammar, if any (blocking: a worker thread)."""
+        ids = self.encode_prompt(request)
+        vocab = self._vocab_size()
+        if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
+            raise InvalidRequest(
+                f"logit_bias names a token id outside the vocabulary ({vocab} tokens)",
+                param="logit_bias",
+            )
+        grammar = request.params.grammar
+        return ids, None if grammar is None else self.grammars().compile(grammar)
 
     def _check(self, request: GenerateRequest) -> None:
         max_tokens = request.params.max_tokens
@@ -179,13 +227,16 @@ class AsyncEngine:
         self._preparing += len(requests)
         try:
             # off the event loop: a long prompt must not stall the other streams
-            prompts = await asyncio.to_thread(lambda: [self.encode_prompt(r) for r in requests])
-            for request, prompt_ids in zip(requests, prompts, strict=True):
+            prepared = await asyncio.to_thread(lambda: [self.prepare(r) for r in requests])
+            for request, (prompt_ids, _) in zip(requests, prepared, strict=True):
                 self._check_fits(prompt_ids, request.params.max_tokens)
             if not self.health():  # drained or stopped while tokenizing
                 raise EngineUnavailable("the engine is not accepting requests")
             loop = asyncio.get_running_loop()
-            made = [self._sequence(r, p, loop) for r, p in zip(requests, prompts, strict=True)]
+            made = [
+                self._sequence(r, ids, loop, compiled)
+                for r, (ids, compiled) in zip(requests, prepared, strict=True)
+            ]
             self._loop.scheduler.add_all([seq for seq, _ in made])  # raises Overloaded
         finally:
             self._preparing -= len(requests)
@@ -198,7 +249,11 @@ class AsyncEngine:
         return streams
 
     def _sequence(
-        self, request: GenerateRequest, prompt_ids: list[int], loop: asyncio.AbstractEventLoop
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        loop: asyncio.AbstractEventLoop,
+        compiled: Any = None,
     ) -> tuple[EngineSequence, asyncio.Queue[TokenEvent]]:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -216,6 +271,7 @@ class AsyncEngine:
             sink=sink,
             deadline=None if timeout is None else time.monotonic() + timeout,
             cache_salt=request.cache_salt,
+            matcher=None if compiled is None else self.grammars().matcher(compiled),
         )
         return seq, queue
 

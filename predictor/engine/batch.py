@@ -24,6 +24,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     sink: EventSink
     generator: Any = None  # torch.Generator, made by the step loop when the row is admitted
+    matcher: Any = None  # engine.grammar.Matcher when the request has a grammar
     deadline: float | None = None  # time.monotonic() after which the request times out
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)

@@ -52,6 +52,14 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The prompt's token ids as a generation would see them (chat template and all)."""
+        ...
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids -> text (InvalidRequest for an id outside the vocabulary)."""
+        ...
+
     def health(self) -> bool:
         """True while the step loop is alive and accepting work (readiness)."""
         ...

@@ -3,8 +3,10 @@
 Greedy rows take the argmax. Sampled rows are scaled by their temperature, cut to their top-k
 and top-p as batched tensor ops, and drawn with the exponential trick torch.multinomial uses
 for one sample (argmax of probs / q, q ~ Exp(1) drawn from the row's own generator), so a seed
-gives the same tokens alone or in any batch. Penalties, the end-of-sequence ban of min_tokens
-and logprobs cost nothing for rows that don't ask for them.
+gives the same tokens alone or in any batch. Penalties, the end-of-sequence ban of min_tokens,
+grammars and logprobs cost nothing for rows that don't ask for them. A row with a grammar
+(`matcher`, engine/grammar.py) has the tokens its grammar forbids set to -inf after the
+penalties and before temperature, top-k and top-p; its logprobs stay the model's raw ones.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class RowState(Protocol):
     def output_ids(self) -> Sequence[int]: ...  # tokens generated so far
     @property
     def prompt_ids(self) -> Sequence[int]: ...  # the prompt's tokens (repetition_penalty)
+    @property
+    def matcher(self) -> Any: ...  # engine.grammar.Matcher, or None: no grammar
 
 
 @dataclass
@@ -50,6 +54,7 @@ class Row:
     generator: torch.Generator | None
     output_ids: Sequence[int]
     prompt_ids: Sequence[int] = ()
+    matcher: Any = None
 
 
 @dataclass
@@ -75,6 +80,7 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[i
         sub_rows = [rows[i] for i in special]
         sub = _penalize(sub, sub_rows)
         sub = _ban_eos(sub, sub_rows, eos_ids)
+        dead = _constrain(sub, sub_rows)
         picked = sub.argmax(dim=-1)
         # below float32's reach a temperature's limit is greedy: such rows keep the argmax
         drawn = [j for j, r in enumerate(sub_rows) if r.params.temperature >= MIN_TEMPERATURE]
@@ -82,6 +88,8 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[i
             picked[drawn] = _draw(sub[drawn], [sub_rows[j] for j in drawn])
         for i, token in zip(special, picked.tolist(), strict=True):
             tokens[i] = token
+        for j in dead:
+            finite[special[j]] = False
     for i, ok in enumerate(finite):
         if not ok:
             tokens[i] = -1
@@ -118,7 +126,8 @@ def _block_size(vocab: int) -> int:
 def _special(row: RowState, eos_ids: Collection[int]) -> bool:
     p = row.params
     return (
-        p.temperature >= MIN_TEMPERATURE
+        row.matcher is not None
+        or p.temperature >= MIN_TEMPERATURE
         or p.penalized
         or (bool(eos_ids) and not p.ignore_eos and len(row.output_ids) < p.min_tokens)
     )
@@ -126,7 +135,7 @@ def _special(row: RowState, eos_ids: Collection[int]) -> bool:
 
 def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
     """The repetition penalty (HF / vLLM: prompt and generated tokens, applied first), then
-    OpenAI's presence and frequency penalties over each asking row's generated tokens."""
+    OpenAI's logit_bias, presence and frequency penalties over each asking row's tokens."""
     vocab = logits.shape[-1]
     for i, row in enumerate(rows):
         p = row.params
@@ -139,6 +148,10 @@ def _penalize(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
             logits[i, seen] = torch.where(
                 picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty
             )
+        if p.logit_bias:  # OpenAI: added to the logits before sampling
+            ids = torch.tensor([t for t, _ in p.logit_bias if t < vocab], device=logits.device)
+            bias = [b for t, b in p.logit_bias if t < vocab]
+            logits[i, ids] += torch.tensor(bias, device=logits.device)
         if row.output_ids and (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0):
             ids = torch.tensor(row.output_ids, device=logits.device)
             counts = torch.bincount(ids, minlength=vocab)[:vocab]
@@ -152,16 +165,37 @@ def _ban_eos(
     """Rows short of min_tokens cannot end: their end-of-sequence logits become -inf."""
     if not eos_ids:
         return logits
-    short = [
+    short = [  # a grammar says itself when the text may end
         i
         for i, r in enumerate(rows)
-        if not r.params.ignore_eos and len(r.output_ids) < r.params.min_tokens
+        if not r.params.ignore_eos and len(r.output_ids) < r.params.min_tokens and r.matcher is None
     ]
     if not short:
         return logits
     eos = torch.tensor(sorted(eos_ids), device=logits.device)
     logits[torch.tensor(short, device=logits.device).unsqueeze(1), eos] = float("-inf")
     return logits
+
+
+def _constrain(logits: torch.Tensor, rows: Sequence[RowState]) -> list[int]:
+    """Rows with a grammar: the tokens it forbids become -inf, one bitmask for them all (xgrammar's
+    CPU kernel). Returns the rows left with no allowed token (a grammar that cannot go on)."""
+    constrained = [j for j, r in enumerate(rows) if r.matcher is not None]
+    if not constrained:
+        return []
+    import xgrammar as xgr  # only when a row has a grammar
+
+    vocab = logits.shape[-1]
+    mask_vocab = rows[constrained[0]].matcher.vocab_size
+    bitmask = xgr.allocate_token_bitmask(len(rows), mask_vocab)
+    for j in constrained:
+        rows[j].matcher.fill(bitmask, j)
+    width = min(vocab, mask_vocab)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=constrained)
+    if vocab > mask_vocab:  # the model's padding rows: no tokenizer token, never allowed
+        logits[constrained, mask_vocab:] = float("-inf")
+    best = logits[constrained].amax(dim=-1)
+    return [j for j, b in zip(constrained, best.tolist(), strict=True) if b == float("-inf")]
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:

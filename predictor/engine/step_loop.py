@@ -88,6 +88,10 @@ class StepLoop:
             self._thread.join(timeout)
             self._thread = None
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
@@ -288,11 +292,20 @@ class StepLoop:
         # min_tokens (vLLM's meaning): eos may end the request only after that many tokens,
         # stop strings are looked for once that many exist
         eos_armed = generated > seq.params.min_tokens and not seq.params.ignore_eos
+        matcher = seq.matcher
+        if matcher is not None:  # the grammar says when the text ends: eos is its end
+            if not matcher.accept(token):
+                seq.finish(FinishReason.ERROR, error="the grammar refused the sampled token")
+                return
+            eos_armed = True
         if token in self._eos_ids and eos_armed:
             seq.finish(FinishReason.EOS, seq.detokenizer.flush(), token_ids=ids, logprobs=logprobs)
             return
         text = seq.detokenizer.push(token, check_stop=generated >= seq.params.min_tokens)
-        if seq.detokenizer.stopped:
+        if matcher is not None and not seq.detokenizer.stopped and matcher.finished:
+            text += seq.detokenizer.flush()
+            seq.finish(FinishReason.EOS, text, token_ids=ids, logprobs=logprobs)
+        elif seq.detokenizer.stopped:
             seq.finish(FinishReason.STOP, text, token_ids=ids, logprobs=logprobs)
         elif generated >= seq.params.max_tokens:
             text += seq.detokenizer.flush()

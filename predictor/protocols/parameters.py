@@ -22,15 +22,16 @@ from typing import Any, Literal
 
 from predictor.errors import InvalidRequest
 from predictor.protocols.limits import check_plain
-from predictor.types import SamplingParams
+from predictor.types import Grammar, SamplingParams
 
-Kind = Literal["integer", "number", "boolean", "stop", "string"]
+Kind = Literal["integer", "number", "boolean", "stop", "string", "grammar", "bias"]
 ProtocolName = Literal["v2", "generate", "triton", "openai"]
 ALL: frozenset[str] = frozenset({"v2", "generate", "triton", "openai"})
 OIP: frozenset[str] = frozenset({"v2", "generate", "triton"})
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 SEED_LIMIT = 2**63  # seeds are non-negative 64-bit integers
 MAX_SALT_LENGTH = 256
 
@@ -51,6 +52,7 @@ class Parameter:
     # per protocol, fields that differ there (OpenAI's temperature: default 1, at most 2)
     overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
     sampling: bool = True  # a SamplingParams field (else a request option: chat, timeout)
+    field: str | None = None  # the SamplingParams field it fills, when not its name
 
     def within(self, value: float) -> bool:
         if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
@@ -94,6 +96,16 @@ TABLE: tuple[Parameter, ...] = (
     Parameter("repetition_penalty", "number", 1.0, "divides positive and multiplies negative "
               "logits of prompt and generated tokens (HF, vLLM, TGI; 1: off, > 1 penalises)",
               low=0, low_open=True, tensor="FP32"),
+    Parameter("logit_bias", "bias", (), "{token id: bias in [-100, 100]} added to the logits "
+              f"(OpenAI's; at most {MAX_LOGIT_BIAS} entries; over gRPC: a JSON string)",
+              low=-100, high=100),
+    Parameter("structured_outputs", "grammar", None, "vLLM's constrained decoding: an object "
+              "with one of json (a JSON schema), regex, choice (a list of strings), grammar "
+              "(EBNF) or json_object: true (over gRPC: a string holding that object)",
+              field="grammar"),
+    Parameter("response_format", "grammar", None, "OpenAI's: {type: text | json_object | "
+              "json_schema, json_schema: {name, schema, strict}}", protocols=frozenset({"openai"}),
+              field="grammar"),
     Parameter("chat", "boolean", False, "apply the model's chat template to the prompt",
               protocols=OIP, sampling=False),
     Parameter("timeout", "number", None, "seconds the request may run", low=0, low_open=True,
@@ -104,7 +116,7 @@ TABLE: tuple[Parameter, ...] = (
 )  # fmt: skip
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
-assert all(p.name in _SAMPLING_FIELDS for p in TABLE if p.sampling), "a row without its field"
+assert all((p.field or p.name) in _SAMPLING_FIELDS for p in TABLE if p.sampling), "no field"
 
 
 def rows(protocol: str) -> tuple[Parameter, ...]:
@@ -187,7 +199,18 @@ def read(
             param="min_tokens",
         )
     out["top_k"] = max(out.get("top_k", 0), 0)  # -1 (vLLM, OpenAI) is off, as 0 is
-    sampling = SamplingParams(**{k: v for k, v in out.items() if k in _SAMPLING_FIELDS})
+    kwargs: dict[str, Any] = {}
+    for row in rows(protocol):
+        name = row.field or row.name
+        if not row.sampling or out[row.name] is None and name in kwargs:
+            continue
+        if kwargs.get(name) is not None and out[row.name] is not None:
+            raise InvalidRequest(
+                f"'{row.name}' and another key both set '{name}': the request is ambiguous",
+                param=row.name,
+            )
+        kwargs[name] = out[row.name]
+    sampling = SamplingParams(**kwargs)
     return Values(sampling, bool(out.get("chat", False)), out.get("timeout"), out.get("cache_salt"))
 
 
@@ -202,6 +225,10 @@ def _check(row: Parameter, key: str, value: Any, max_depth: int) -> Any:
                 param=key,
             )
         return value
+    if row.kind == "grammar":
+        return _grammar(key, value, max_depth)
+    if row.kind == "bias":
+        return _bias(row, key, value, max_depth)
     if row.kind == "boolean":
         if not isinstance(value, bool):
             raise InvalidRequest(f"parameter '{key}' must be a boolean, got {value!r}", param=key)
@@ -250,6 +277,122 @@ def _stop(key: str, value: Any, max_depth: int) -> tuple[str, ...]:
     if any(s == "" for s in value):
         raise InvalidRequest("stop strings must not be empty", param=key)
     return tuple(value)
+
+
+def _bias(row: Parameter, key: str, value: Any, max_depth: int) -> tuple[tuple[int, float], ...]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequest(
+                f"parameter '{key}' is not a valid JSON object", param=key
+            ) from exc
+        check_plain(value, max_depth, where=f"parameter '{key}'")
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"parameter '{key}' must be an object of token id: bias", param=key)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(
+            f"parameter '{key}' has {len(value)} entries; at most {MAX_LOGIT_BIAS}", param=key
+        )
+    out = []
+    for token, bias in value.items():
+        if not (isinstance(token, str) and re.fullmatch(r"\d{1,9}", token)):
+            raise InvalidRequest(f"parameter '{key}': '{token}' is not a token id", param=key)
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise InvalidRequest(f"parameter '{key}': bias of {token} must be a number", param=key)
+        if not row.within(bias):
+            raise InvalidRequest(
+                f"parameter '{key}': bias of {token} must be in {row.range_text()}", param=key
+            )
+        out.append((int(token), float(bias)))
+    return tuple(sorted(out))
+
+
+_STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _grammar(key: str, value: Any, max_depth: int) -> Grammar | None:
+    """structured_outputs (vLLM's) or response_format (OpenAI's) -> the Grammar it asks for."""
+    if isinstance(value, str):  # gRPC maps and Triton's tensors carry no objects: JSON text
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequest(
+                f"parameter '{key}' is not a valid JSON object", param=key
+            ) from exc
+        check_plain(value, max_depth, where=f"parameter '{key}'")
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"parameter '{key}' must be an object", param=key)
+    if key == "response_format":
+        return _response_format(value)
+    unknown = sorted(set(value) - set(_STRUCTURED))
+    if unknown:
+        raise InvalidRequest(
+            f"'{key}.{unknown[0]}' is not supported (one of {', '.join(_STRUCTURED)})",
+            param=f"{key}.{unknown[0]}",
+        )
+    given = [k for k in _STRUCTURED if value.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise InvalidRequest(
+            f"parameter '{key}' needs exactly one of {', '.join(_STRUCTURED)}", param=key
+        )
+    kind, spec = given[0], value[given[0]]
+    where = f"{key}.{kind}"
+    if kind == "json":
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except (ValueError, RecursionError) as exc:
+                raise InvalidRequest(f"'{where}' is not valid JSON", param=where) from exc
+        if not isinstance(spec, dict | bool):
+            raise InvalidRequest(f"'{where}' must be a JSON schema (an object)", param=where)
+        return Grammar("json_schema", json.dumps(spec), key)
+    if kind == "json_object":
+        if spec is not True:
+            raise InvalidRequest(f"'{where}' must be true", param=where)
+        return Grammar("json_object", "", key)
+    if kind == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(c, str) for c in spec):
+            raise InvalidRequest(f"'{where}' must be a non-empty list of strings", param=where)
+        return Grammar("choice", json.dumps(spec), key)
+    if not isinstance(spec, str) or not spec:
+        raise InvalidRequest(f"'{where}' must be a non-empty string", param=where)
+    return Grammar("regex" if kind == "regex" else "ebnf", spec, key)
+
+
+def _response_format(value: dict[str, Any]) -> Grammar | None:
+    key = "response_format"
+    kind = value.get("type")
+    allowed = {"text": {"type"}, "json_object": {"type"}, "json_schema": {"type", "json_schema"}}
+    if kind not in allowed:
+        raise InvalidRequest(
+            f"'{key}.type' must be one of text, json_object, json_schema, got {kind!r}",
+            param=f"{key}.type",
+        )
+    extra = sorted(set(value) - allowed[kind])
+    if extra:
+        raise InvalidRequest(f"'{key}.{extra[0]}' is not supported", param=f"{key}.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar("json_object", "", key)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest(
+            f"'{key}.json_schema' must be an object with a name", param=f"{key}.json_schema"
+        )
+    extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
+    if extra:
+        where = f"{key}.json_schema.{extra[0]}"
+        raise InvalidRequest(f"'{where}' is not supported", param=where)
+    if spec.get("strict") not in (None, True, False):
+        where = f"{key}.json_schema.strict"
+        raise InvalidRequest(f"'{where}' must be a boolean", param=where)
+    schema = spec.get("schema", {})  # strict or not, the schema is enforced
+    if not isinstance(schema, dict):
+        where = f"{key}.json_schema.schema"
+        raise InvalidRequest(f"'{where}' must be a JSON schema (an object)", param=where)
+    return Grammar("json_schema", json.dumps(schema), key)
 
 
 def _coerced(row: Parameter, value: Any) -> Any:

@@ -23,6 +23,11 @@ def parameter_schema(row: Parameter) -> dict[str, Any]:
     if row.kind == "stop":
         text = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
         return {"oneOf": [text, {"type": "array", "items": text, "maxItems": MAX_STOP_STRINGS}]}
+    if row.kind == "bias":
+        bias = {"type": "number", "minimum": row.low, "maximum": row.high}
+        return {"oneOf": [{"type": "object", "additionalProperties": bias}, {"type": "string"}]}
+    if row.kind == "grammar":
+        return {"oneOf": [{"type": "object"}, {"type": "string"}]}
     schema: dict[str, Any] = {"type": row.kind}
     if row.low is not None:
         schema["exclusiveMinimum" if row.low_open else "minimum"] = row.low

@@ -184,3 +184,12 @@ def test_repetition_penalty_matches_transformers() -> None:
     top = int(x[0].argmax())
     strong = Row(SamplingParams(repetition_penalty=1e6), None, [top], [])
     assert sample(x[:1].clone(), [strong], ()).tokens[0] != top
+
+
+def test_logit_bias_moves_the_argmax_and_bans() -> None:
+    x = torch.zeros(1, 10)
+    x[0, 2] = 1.0
+    p = SamplingParams(logit_bias=((7, 5.0),))
+    assert sample(x, [Row(p, None, [])], ()).tokens == [7]
+    banned = SamplingParams(logit_bias=((2, -100.0),))
+    assert sample(x, [Row(banned, None, [])], ()).tokens == [0]

@@ -14,7 +14,7 @@ from predictor.protocols import generate, parameters, schemas
 from predictor.protocols.limits import Limits
 from predictor.protocols.openai.requests import decode_chat, decode_completion
 from predictor.protocols.triton.requests import decode_infer_request
-from predictor.types import SamplingParams
+from predictor.types import Grammar, SamplingParams
 
 LIMITS = Limits(default_max_tokens=16, max_json_depth=32)
 
@@ -41,7 +41,7 @@ def every_protocol(values: dict[str, Any]) -> list[SamplingParams]:
 
 
 def test_every_sampling_row_is_a_sampling_field_and_back() -> None:
-    rows = {row.name for row in parameters.TABLE if row.sampling}
+    rows = {row.field or row.name for row in parameters.TABLE if row.sampling}
     fields_ = {f.name for f in fields(SamplingParams)} - {"logprobs"}  # OpenAI's own shapes
     assert rows == fields_
 
@@ -117,3 +117,50 @@ def test_json_the_decoders_parse_themselves_uses_the_limit_passed_in() -> None:
     stop = json.dumps([["a"]])  # a stop list in a string (gRPC), one level too deep
     with pytest.raises(InvalidRequest, match="deeper than 1"):
         decode_infer_request(v2({"stop": stop}), Limits(16, 1), False)
+
+
+def test_structured_outputs_is_one_row_read_alike_everywhere() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for so in ({"json": schema}, json.dumps({"json": schema})):
+        got = every_protocol({"structured_outputs": so})
+        assert {p.grammar for p in got} == {Grammar("json_schema", json.dumps(schema))}
+    got = every_protocol({"structured_outputs": {"choice": ["a", "b"]}})
+    assert {p.grammar for p in got} == {Grammar("choice", '["a", "b"]')}
+    regex = every_protocol({"structured_outputs": {"regex": "[0-9]+"}})
+    assert {p.grammar for p in regex} == {Grammar("regex", "[0-9]+")}
+
+
+def test_response_format_is_openai_s_and_means_the_same() -> None:
+    schema = {"type": "array"}
+    body = {"model": "m", "prompt": "hi"}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema, "strict": True}}
+    got = decode_completion({**body, "response_format": fmt}, 16).choices[0].params.grammar
+    assert got == Grammar("json_schema", json.dumps(schema), "response_format")
+    text = decode_completion({**body, "response_format": {"type": "text"}}, 16)
+    assert text.choices[0].params.grammar is None
+    with pytest.raises(InvalidRequest) as info:
+        generate.decode_generate_request(
+            {"text_input": "hi", "response_format": {"type": "json_object"}}, LIMITS, False
+        )
+    assert "response_format" in str(info.value)
+    for bad, param in (
+        ({"structured_outputs": {"json_object": True, "regex": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+        ({"structured_outputs": "{not json"}, "structured_outputs"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "x": 1}}},
+         "response_format.json_schema.x"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidRequest) as info:
+            decode_completion({**body, **bad}, 16)
+        assert info.value.param == param
+
+
+def test_logit_bias_is_one_row_read_alike_everywhere() -> None:
+    for bias in ({"5": 10, "3": -100}, json.dumps({"5": 10, "3": -100})):
+        got = every_protocol({"logit_bias": bias})
+        assert {p.logit_bias for p in got} == {((3, -100.0), (5, 10.0))}
+        assert all(p.penalized for p in got)
+    for bad in ({"x": 1}, {"5": 101}, {"5": "1"}, [1]):
+        with pytest.raises(InvalidRequest) as info:
+            decode_completion({"model": "m", "prompt": "hi", "logit_bias": bad}, 16)
+        assert info.value.param == "logit_bias"

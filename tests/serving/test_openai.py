@@ -298,7 +298,10 @@ def test_streamed_logprobs_cover_every_token(server: ServerProcess) -> None:
             {
                 "model": "tiny",
                 "messages": [{"role": "user", "content": "x"}],
-                "response_format": {"type": "json_object"},
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "string", "format": "email"}},
+                },
             },
             400,
             "response_format",
@@ -308,7 +311,7 @@ def test_streamed_logprobs_cover_every_token(server: ServerProcess) -> None:
             {
                 "model": "tiny",
                 "messages": [{"role": "user", "content": "x"}],
-                "logit_bias": {"5": 1},
+                "logit_bias": {"5": 1000},
             },
             400,
             "logit_bias",
@@ -352,7 +355,7 @@ def test_sdk_raises_the_servers_errors(server: ServerProcess) -> None:
     assert missing.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
         client(server).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "x"}], logit_bias={"1": 2}
+            model="tiny", messages=[{"role": "user", "content": "x"}], logit_bias={"1": 200}
         )
     assert bad.value.param == "logit_bias"
     r = httpx.post(

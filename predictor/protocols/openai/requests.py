@@ -51,12 +51,19 @@ class _Common(_Strict):
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:{id}"
 
 
+TokenId = Annotated[int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
 class CompletionBody(_Common):
+    # a string, several strings, token ids, or several lists of token ids
     prompt: (
         Annotated[str, Field(min_length=1)]
         | Annotated[
             list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)
         ]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_CHOICES)]
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
@@ -89,8 +96,6 @@ _HARMLESS: dict[str, Callable[[Any], bool]] = {
     "tool_choice": lambda v: v == "none",
     "function_call": lambda v: v == "none",
     "parallel_tool_calls": lambda v: isinstance(v, bool),  # only matters with tools
-    "response_format": lambda v: v == {"type": "text"},
-    "logit_bias": _empty,
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"],
@@ -139,6 +144,7 @@ _FIELD_NAMES = frozenset(
 
 
 Body = TypeVar("Body", bound=_Common)
+Body2 = TypeVar("Body2", bound=_Strict)
 
 
 def _validate(
@@ -219,14 +225,10 @@ def _choices(
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + j}"
             out.append(
                 GenerateRequest(
-                    rid,
-                    prompt.prompt,
-                    params,
-                    prompt.chat,
-                    messages=prompt.messages,
-                    cache_salt=salt,
+                    rid, prompt.prompt, params, prompt.chat, messages=prompt.messages,
+                    cache_salt=salt, prompt_ids=prompt.prompt_ids,
                 )
-            )
+            )  # fmt: skip
     return tuple(out)
 
 
@@ -237,15 +239,67 @@ def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
         raise InvalidRequest(f"'best_of' must equal n ({n}) on this server", param="best_of")
     sampling = replace(values.sampling, logprobs=parsed.logprobs)
     stream, include_usage = _stream_flags(parsed)
-    texts = [parsed.prompt] if isinstance(parsed.prompt, str) else parsed.prompt
     base = f"cmpl-{uuid.uuid4().hex}"
-    prompts = [GenerateRequest(base, text) for text in texts]
+    prompts = _prompts(base, parsed.prompt)
     return OpenAIRequest(
         "completion", base, parsed.model, int(time.time()), n,
         _choices(base, prompts, n, sampling, values.cache_salt), stream, include_usage,
         parsed.logprobs is not None,
         bool(parsed.return_tokens_as_token_ids),
     )  # fmt: skip
+
+
+def _prompts(base: str, prompt: Any) -> list[GenerateRequest]:
+    """A completions prompt (text, texts, token ids, lists of token ids) as engine requests."""
+    if isinstance(prompt, str):
+        return [GenerateRequest(base, prompt)]
+    if all(isinstance(p, int) for p in prompt):
+        return [GenerateRequest(base, "", prompt_ids=tuple(prompt))]
+    if all(isinstance(p, str) for p in prompt):
+        return [GenerateRequest(base, text) for text in prompt]
+    return [GenerateRequest(base, "", prompt_ids=tuple(ids)) for ids in prompt]
+
+
+class TokenizeBody(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str
+    prompt: Annotated[str, Field(min_length=1)] | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # accepted; the engine tokenizes as it generates
+    add_generation_prompt: bool | None = None  # accepted: the template always adds it
+    return_token_strs: bool | None = None
+
+
+class DetokenizeBody(_Strict):
+    model: str
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
+
+
+def _strict(model: type[Body2], body: Any) -> Body2:
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    try:
+        return model.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = _param(error["loc"], _FIELD_NAMES | {"tokens", "prompt", str(error["loc"][-1])})
+        raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
+
+
+def decode_tokenize(body: Any) -> tuple[TokenizeBody, GenerateRequest]:
+    parsed = _strict(TokenizeBody, body)
+    if (parsed.prompt is None) == (parsed.messages is None):
+        raise InvalidRequest("give one of 'prompt' or 'messages'", param="prompt")
+    if parsed.messages is not None:
+        messages = tuple({"role": m.role, "content": _content(m)} for m in parsed.messages)
+        return parsed, GenerateRequest("tokenize", "", chat=True, messages=messages)
+    assert parsed.prompt is not None
+    return parsed, GenerateRequest("tokenize", parsed.prompt)
+
+
+def decode_detokenize(body: Any) -> DetokenizeBody:
+    return _strict(DetokenizeBody, body)
 
 
 def _content(message: Message) -> str:

@@ -153,6 +153,37 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
         served = [n for n in listed if resolve(n) is not None]
         return JSONResponse(responses.models_list(listed, served, created))
 
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize: {count, max_model_len, tokens[, token_strs]}."""
+        try:
+            body = await read_json(request)
+            model = ready_model(resolve, requests.requested_model(body) or "")
+            parsed, prompt = requests.decode_tokenize(body)
+            ids = await model.llm.tokenize(prompt)
+            answer: dict[str, Any] = {
+                "count": len(ids), "tokens": ids,
+                "max_model_len": getattr(model.llm, "max_prompt_tokens", None),
+            }  # fmt: skip
+            if parsed.return_token_strs:
+                answer["token_strs"] = [await model.llm.detokenize([t]) for t in ids]
+            return JSONResponse(answer)
+        except PredictorError as exc:
+            return openai_response(exc)
+
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize: {prompt}."""
+        try:
+            body = await read_json(request)
+            model = ready_model(resolve, requests.requested_model(body) or "")
+            parsed = requests.decode_detokenize(body)
+            return JSONResponse({"prompt": await model.llm.detokenize(parsed.tokens)})
+        except PredictorError as exc:
+            return openai_response(exc)
+
+    for prefix in ("", *OPENAI_PREFIXES):  # vLLM serves them at the root
+        router.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"])
+        router.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"])
+
     ok = "OK (text/event-stream with stream: true)"
     for prefix in OPENAI_PREFIXES:
         router.add_api_route(

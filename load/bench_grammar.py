@@ -1,0 +1,114 @@
+"""Grammar benchmark (a script, not a test): the cost of constrained decoding.
+
+On the default GPTQ model, in process: a typical JSON schema's compile time (cold, median of
+several), then aggregate tokens/s at concurrency C with a JSON schema on every row against the
+same requests unconstrained, alternating in one run so both see the same machine.
+
+    .venv/bin/python load/bench_grammar.py [--model-dir ...] [--threads 1] [--concurrency 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+PROMPTS = Path(__file__).with_name("prompts.txt")
+
+TYPICAL = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "email": {"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"},
+        "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["city", "zip"],
+        },
+    },
+    "required": ["name", "age", "email", "tags", "role", "address"],
+    "additionalProperties": False,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=Path("models/smollm2-135m-instruct-gptq"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from prometheus_client import CollectorRegistry
+
+    from predictor.__main__ import build_engine
+    from predictor.config import Settings
+    from predictor.engine.grammar import Grammars
+    from predictor.model.loader import load_checkpoint
+    from predictor.observability.metrics import Metrics
+    from predictor.types import GenerateRequest, Grammar, SamplingParams
+
+    loaded = load_checkpoint(args.model_dir, "cpu", threads=1)
+    prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
+    started = time.perf_counter()
+    grammars = Grammars(loaded.tokenizer, loaded.eos_ids)
+    print(f"tokenizer info: {(time.perf_counter() - started) * 1000:.0f} ms (once per server)")
+    times = []
+    for _ in range(7):
+        fresh = Grammars.__new__(Grammars)
+        fresh.__dict__.update(grammars.__dict__)
+        fresh._cache = type(grammars._cache)()  # cold: an empty cache
+        started = time.perf_counter()
+        fresh.compile(Grammar("json_schema", json.dumps(TYPICAL)))
+        times.append(time.perf_counter() - started)
+    print(f"typical schema compile: median {statistics.median(times) * 1000:.1f} ms, "
+          f"max {max(times) * 1000:.1f} ms")  # fmt: skip
+
+    settings = Settings(max_batch_size=64, max_waiting=1024, threads=args.threads)
+    engine = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
+
+    async def wave(schema: dict | None) -> tuple[float, int]:
+        grammar = None if schema is None else Grammar("json_schema", json.dumps(schema))
+        params = SamplingParams(max_tokens=args.new_tokens, temperature=0.8, seed=1,
+                                ignore_eos=schema is None, grammar=grammar)  # fmt: skip
+
+        async def one(i: int) -> int:
+            req = GenerateRequest(f"g{i}", prompts[i % len(prompts)], params, chat=True)
+            return sum([len(e.token_ids) async for e in engine.generate(req)])
+
+        begun = time.perf_counter()
+        counts = await asyncio.gather(*(one(i) for i in range(args.concurrency)))
+        return sum(counts) / (time.perf_counter() - begun), sum(counts)
+
+    engine.start()
+    try:
+        asyncio.run(wave(None))  # warm-up
+        asyncio.run(wave(TYPICAL))
+        # the typical schema's answers outlast the token budget: both sides generate C x budget
+        # tokens (the token counts printed say so), so the rates compare like for like
+        rates: dict[str, list[float]] = {"unconstrained": [], "typical": []}
+        for _ in range(args.rounds):
+            for name, schema in (("unconstrained", None), ("typical", TYPICAL)):
+                rate, tokens = asyncio.run(wave(schema))
+                rates[name].append(rate)
+                print(f"  {name:>13}: {rate:7.1f} tok/s ({tokens} tokens)")
+    finally:
+        engine.stop()
+    base = statistics.median(rates["unconstrained"])
+    print(f"\nC={args.concurrency}, {args.threads} thread(s), median of {args.rounds}:")
+    for name, values in rates.items():
+        print(f"{name:>13}: {statistics.median(values):7.1f} tok/s "
+              f"({statistics.median(values) / base:.2f}x unconstrained)")  # fmt: skip
+    print(f"load average: {os.getloadavg()}")
+
+
+if __name__ == "__main__":
+    main()
