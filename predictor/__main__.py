@@ -24,7 +24,7 @@ from predictor.errors import CheckpointError
 from predictor.metrics import Metrics
 from predictor.model.layout import resolve_checkpoint_dir
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only
-from predictor.settings import Settings
+from predictor.settings import FUSED_KERNELS, Settings
 
 log = logging.getLogger("predictor")
 
@@ -47,8 +47,10 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
                 allocator.block_size,
                 threads=settings.torch_threads,
                 attention=settings.attention,
+                kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
+                autotune_cache=settings.autotune_dir,
             )
-        except UnsupportedModel as exc:
+        except (UnsupportedModel, ValueError) as exc:
             raise CheckpointError(str(exc)) from exc
     scheduler = Scheduler(settings.max_batch_size, settings.max_waiting)
     step_loop = StepLoop(

@@ -15,14 +15,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from predictor.engine.int4_linear import dense_linear, fuse_layer
+from predictor.engine import autotune
+from predictor.engine.int4_linear import FusedLayer, Kernel, fuse_layer, release_repack_tables
 from predictor.engine.native import CHOICES as ATTENTION
-from predictor.engine.native import DecodeAttention, NativeUnavailable, decode_attention
+from predictor.engine.native import (
+    FUSED_KERNELS,
+    DecodeAttention,
+    NativeUnavailable,
+    decode_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +59,16 @@ class ModelRunner:
         block_size: int = 16,
         threads: int = 0,
         attention: str = "auto",
+        kernel: str = "auto",
+        autotune_cache: Path | None = None,
     ) -> None:
         """`attention`: how decode rows attend. "native": the C kernel of engine/native.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
-        "auto": native where it applies and compiles, else torch."""
+        "auto": native where it applies and compiles, else torch.
+
+        `kernel`: how the fused int4 projections run: "auto" (engine/autotune.py measures the
+        candidates per row-count bucket, at the first step or in `bind_thread`, and caches its
+        choices in `autotune_cache` when given) or one of native.FUSED_KERNELS for every step."""
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -87,7 +100,20 @@ class ModelRunner:
             for layer in self._layers
         ]
         self._final_norm = _rms_norm(decoder.norm)
-        self._head = dense_linear(self._lm_head)
+        if kernel != "auto" and kernel not in FUSED_KERNELS:
+            raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
+        if kernel != "auto":
+            first = next((f for f in self._fused if f is not None), None)
+            if first is None:
+                raise ValueError(f"kernel {kernel} needs fused int4 layers (a CPU GPTQ model)")
+            try:  # here, not on the step thread: a kernel that cannot run here is refused now
+                first.qkv.kernel(kernel)
+            except NativeUnavailable as error:
+                raise ValueError(f"kernel {kernel} is unavailable: {error}") from error
+        self.kernel = kernel
+        self._autotune_cache = autotune_cache
+        self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
+        self.choices: autotune.Choices | None = None
         dtype = self._embed.weight.dtype
         slots = num_blocks * block_size
         # per layer: keys then values of every token slot, plus one zero slot that padding
@@ -130,6 +156,22 @@ class ModelRunner:
         """
         if self.threads > 0:
             torch.set_num_threads(self.threads)
+        self._tune()
+
+    def _tune(self) -> None:
+        """Measure (or read back) which kernel serves each matmul, once, on the calling thread
+        with its thread count."""
+        if self._head is not None:
+            return
+        fused = [(f, kind) for f in self._fused if f is not None for kind in FusedLayer.KINDS]
+        linears = [getattr(f, kind) for f, kind in fused]
+        threads = torch.get_num_threads()
+        self.choices, self._head = autotune.tune(
+            linears, [kind for _, kind in fused], self._lm_head, threads,
+            self._autotune_cache, self.kernel,
+        )  # fmt: skip
+        release_repack_tables()
+        autotune.log_choices(self.choices, threads)
 
     @property
     def cache_bytes(self) -> int:
@@ -143,6 +185,7 @@ class ModelRunner:
         microseconds of dispatch per op add up to milliseconds), so a layer is written as few
         tensor ops as it can be: one rotary pass over q, k and v together, one cache write, and
         decode attention as one native call (or one gather and a few batched matmuls)."""
+        self._tune()
         plan = _Plan.build(
             rows,
             self.block_size,
@@ -163,6 +206,7 @@ class ModelRunner:
         if len(plan.logit_rows) != hidden.shape[0]:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
             hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        assert self._head is not None
         return self._head(self._final_norm(hidden)).float()  # [R, V]
 
     def _rope(
