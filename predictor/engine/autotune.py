@@ -57,12 +57,6 @@ def cpu_identity() -> dict[str, Any]:
     }
 
 
-def relevant_flags(flags: Sequence[str]) -> list[str]:
-    """The flags the kernels care about, for the log."""
-    keep = ("avx", "fma", "f16c", "amx", "vnni", "bf16")
-    return sorted(f for f in flags if f.startswith(keep) or any(k in f for k in keep[4:]))
-
-
 def _groups(linears: Sequence[Int4Linear], names: Sequence[str]) -> dict[str, list[Int4Linear]]:
     grouped: dict[str, list[Int4Linear]] = {}
     for layer, name in zip(linears, names, strict=True):
@@ -218,9 +212,10 @@ def _time(layers: list[Kernel], x: torch.Tensor) -> float:
 def log_choices(choices: Choices, threads: int) -> None:
     """The CPU, its flags and every choice, for the server log."""
     identity = cpu_identity()
+    flags = " ".join(native.relevant_flags(frozenset(identity["flags"])))
     logger.info(
         "kernels for CPU %s, %d threads, torch %s; flags: %s",
-        identity["cpu"], threads, identity["torch"], " ".join(relevant_flags(identity["flags"])),
+        identity["cpu"], threads, identity["torch"], flags,
     )  # fmt: skip
     for name, plan in choices.plans.items():
         spans = []

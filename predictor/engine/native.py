@@ -146,6 +146,13 @@ def _cpuinfo_field(name: str) -> str:
     return ""
 
 
+def relevant_flags(flags: frozenset[str] | None = None) -> list[str]:
+    """The flags the kernels care about (vector widths, FMA, VNNI, BF16, AMX), for logs."""
+    have = cpu_flags() if flags is None else flags
+    keep = ("avx", "fma", "f16c", "amx")
+    return sorted(f for f in have if f.startswith(keep) or "vnni" in f or "bf16" in f)
+
+
 def usable_isas(flags: frozenset[str] | None = None) -> list[str]:
     """The instruction sets of ISAS this CPU has, widest first."""
     have = cpu_flags() if flags is None else flags
