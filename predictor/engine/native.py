@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 CHOICES = ("auto", "native", "torch")  # --attention
 SOURCE = Path(__file__).with_name("decode_attention.c")
 INT4_SOURCE = Path(__file__).with_name("int4_matmul.c")
+LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
 # instruction set -> (CPU flags it needs, compiler flags, -D constants); widest first
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2")
@@ -103,9 +105,21 @@ def _build(
     defines: list[str],
     source: Path = SOURCE,
     variants: Sequence[list[str]] = (["-march=native"], []),
+    cache_dir: Path | None = None,
 ) -> ctypes.CDLL:
     """Compile `source` with these -D constants and load it: the first of `variants` (extra
-    flags) that compiles; by default -march=native first (some compilers lack it)."""
+    flags) that compiles; by default -march=native first (some compilers lack it). With a
+    `cache_dir`, the library is kept there under a digest of the source, the compiler, the
+    flags and this CPU, and loaded from there next time (int4_matmul.c takes seconds)."""
+    cached = None
+    if cache_dir is not None:
+        cached = (
+            cache_dir / f"{source.stem}-{_build_digest(compiler, defines, source, variants)}.so"
+        )
+        try:
+            return ctypes.CDLL(str(cached))
+        except OSError:  # not there yet, or unloadable (noexec): build as usual
+            pass
     with tempfile.TemporaryDirectory(prefix="gptq-predictor-native-") as folder:
         library = Path(folder) / (source.stem + ".so")
         errors = []
@@ -121,7 +135,36 @@ def _build(
             errors.append(done.stderr.strip()[-500:])
         else:
             raise NativeUnavailable(f"{compiler} failed: {' | '.join(errors)}")
+        if cached is not None:
+            _keep(library, cached)
         return ctypes.CDLL(str(library))  # mapped: the file may go with the folder
+
+
+def _build_digest(
+    compiler: str, defines: list[str], source: Path, variants: Sequence[list[str]]
+) -> str:
+    try:
+        version = subprocess.run(
+            [compiler, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True,
+            timeout=30,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    identity: list[object] = [source.read_text(), shutil.which(compiler) or compiler, version]
+    identity += [FLAGS, defines]
+    identity += [list(variants), cpu_model(), sorted(cpu_flags())]
+    return hashlib.sha256(repr(identity).encode()).hexdigest()[:20]
+
+
+def _keep(library: Path, target: Path) -> None:
+    """Copy the built library into the cache, whole or not at all."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = target.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(library, staging)
+        os.replace(staging, target)
+    except OSError as error:
+        logger.info("native library not cached in %s: %s", target.parent, error)
 
 
 def cpu_model() -> str:
@@ -177,9 +220,18 @@ class Int4Kernel:
         return -(-n // 16) * (k // group_size) * (64 + group_size * 8)
 
 
-@functools.lru_cache(maxsize=4)
-def int4_matmul(isa: str) -> Int4Kernel:
-    """int4_matmul.c built for `isa`; NativeUnavailable if this CPU lacks it or no build works."""
+_INT4: dict[str, Int4Kernel] = {}
+
+
+def int4_matmul(isa: str, cache_dir: Path | None = None) -> Int4Kernel:
+    """int4_matmul.c built for `isa` (once a process: the first call's `cache_dir` serves, see
+    _build); NativeUnavailable if this CPU lacks it or no build works."""
+    if isa not in _INT4:
+        _INT4[isa] = _int4_matmul(isa, cache_dir)
+    return _INT4[isa]
+
+
+def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
     if isa not in ISAS:
         raise NativeUnavailable(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
     needs, arch, defines = ISAS[isa]
@@ -188,7 +240,7 @@ def int4_matmul(isa: str) -> Int4Kernel:
         raise NativeUnavailable(f"this CPU lacks {', '.join(missing)} for the {isa} kernel")
     compiler = _compiler()
     try:  # OpenMP first: --threads > 1 splits the output tiles
-        lib = _build(compiler, defines, INT4_SOURCE, [[*arch, "-fopenmp"], arch])
+        lib = _build(compiler, defines, INT4_SOURCE, [[*arch, "-fopenmp"], arch], cache_dir)
     except OSError as error:
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
@@ -203,3 +255,35 @@ def int4_matmul(isa: str) -> Int4Kernel:
     width = int(lib.int4_vector_width())
     logger.info("native int4 matmul compiled (%s, %d columns a vector)", isa, width)
     return Int4Kernel(isa, width, threaded, repack, matmul)
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """layer_ops.c for one head_dim: a layer's norms, rotary + cache write and SwiGLU."""
+
+    # hidden, delta (0: none), weight, eps, out, rows, dim
+    add_rms_norm: Callable[[int, int | None, int, float, int, int, int], None]
+    # qkv, n, heads, kv_heads, cos, sin, pool, slots, slots_of
+    rope_write: Callable[[int, int, int, int, int, int, int, int, int], None]
+    # gate_up, n, inner, out
+    silu_mul: Callable[[int, int, int, int], None]
+
+
+@functools.lru_cache(maxsize=4)
+def layer_ops(head_dim: int) -> LayerOps:
+    """layer_ops.c compiled for this head_dim; NativeUnavailable if it cannot be built here."""
+    compiler = _compiler()
+    try:
+        lib = _build(compiler, [f"-DDIM={head_dim}"], LAYER_SOURCE)
+    except OSError as error:
+        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    norm, rope, silu = lib.add_rms_norm, lib.rope_write, lib.silu_mul
+    norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer]
+    rope.argtypes = [pointer, integer, integer, integer, pointer, pointer, pointer, integer]
+    rope.argtypes += [pointer]
+    silu.argtypes = [pointer, integer, integer, pointer]
+    for function in (norm, rope, silu):
+        function.restype = None
+    logger.info("native layer ops compiled (head_dim %d)", head_dim)
+    return LayerOps(norm, rope, silu)

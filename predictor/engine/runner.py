@@ -23,12 +23,15 @@ import torch.nn.functional as F
 
 from predictor.engine import autotune
 from predictor.engine.int4_linear import FusedLayer, Kernel, fuse_layer, release_repack_tables
+from predictor.engine.layer_kernels import LayerKernels, layer_kernels
 from predictor.engine.native import CHOICES as ATTENTION
 from predictor.engine.native import (
     FUSED_KERNELS,
     DecodeAttention,
     NativeUnavailable,
     decode_attention,
+    int4_matmul,
+    usable_isas,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,6 +132,10 @@ class ModelRunner:
             pool[:, slots].zero_()
         self._pad_slot = slots
         self._native = self._native_attention(attention, dtype)
+        # with native attention, the layers' norms, rotary + cache write and SwiGLU too
+        self._ops: LayerKernels | None = None
+        if self._native is not None:
+            self._ops = layer_kernels(model, self.head_dim)
 
     def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
         if attention not in ATTENTION:
@@ -166,6 +173,12 @@ class ModelRunner:
         fused = [(f, kind) for f in self._fused if f is not None for kind in FusedLayer.KINDS]
         linears = [getattr(f, kind) for f, kind in fused]
         threads = torch.get_num_threads()
+        isas = usable_isas()
+        if linears and isas and self._autotune_cache is not None:
+            try:  # built into the cache folder, or loaded from it
+                int4_matmul(isas[0], self._autotune_cache / "native")
+            except NativeUnavailable as error:
+                logger.warning("native int4 matmul unavailable: %s", error)
         self.choices, self._head = autotune.tune(
             linears, [kind for _, kind in fused], self._lm_head, threads,
             self._autotune_cache, self.kernel,
@@ -196,6 +209,8 @@ class ModelRunner:
         )
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
+        if self._ops is not None:
+            return self._forward_native(hidden, plan, self._ops)
         rope = self._rope(hidden, plan.positions)
         for index, layer in enumerate(self._layers):
             before_attention, before_mlp = self._norms[index]
@@ -208,6 +223,24 @@ class ModelRunner:
             hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
         assert self._head is not None
         return self._head(self._final_norm(hidden)).float()  # [R, V]
+
+    def _forward_native(self, hidden: torch.Tensor, plan: _Plan, ops: LayerKernels) -> torch.Tensor:
+        """`forward` with the native layer ops: each residual add fused into the next norm
+        (hidden is updated in place), the rotary pass and the cache write in one call."""
+        at = torch.tensor(plan.positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        rope = (cos[0].to(hidden.dtype).contiguous(), sin[0].to(hidden.dtype).contiguous())
+        normed = ops.add_rms_norm(hidden, None, 0)
+        for index, layer in enumerate(self._layers):
+            out = self._attention(index, layer.self_attn, normed, rope, plan)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 1)
+            out = self._mlp(index, layer.mlp, normed)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 2)  # the last: the final norm
+        if len(plan.logit_rows) != normed.shape[0]:
+            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+            normed = normed.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        assert self._head is not None
+        return self._head(normed).float()  # [R, V]
 
     def _rope(
         self, hidden: torch.Tensor, positions: list[int]
@@ -240,14 +273,18 @@ class ModelRunner:
             qkv = fused.qkv(hidden)
         else:
             qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
-        # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
-        qkv = qkv.view(n, heads + 2 * kv_heads, dim)
-        cos, sin = rope
-        swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
-        qkv = qkv * cos + swapped * sin
         pool = self._pools[index]
-        pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
+        cos, sin = rope
+        if self._ops is not None:  # rope [N, dim] each; rotated and written in one call
+            qkv = qkv.contiguous().view(n, heads + 2 * kv_heads, dim)
+            self._ops.rope_write(qkv, heads, kv_heads, cos, sin, pool, plan.write_slots)
+        else:
+            # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
+            qkv = qkv.view(n, heads + 2 * kv_heads, dim)
+            swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
+            qkv = qkv * cos + swapped * sin
+            pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
         out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
         if plan.decode_rows and self._native is not None:
             tables, lengths, scratch = plan.native_args
@@ -298,6 +335,8 @@ class ModelRunner:
         fused = self._fused[index]
         if fused is None:
             return mlp(hidden)
+        if self._ops is not None:
+            return fused.down(self._ops.silu_mul(fused.gate_up(hidden)))
         gate, up = fused.gate_up.split(fused.gate_up(hidden))
         return fused.down(mlp.act_fn(gate) * up)
 
