@@ -358,8 +358,13 @@ def llama_server(
         "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "-kvu", "-cb",
     ]  # fmt: skip
     with open(log_file, "ab") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        process = subprocess.Popen(  # stdin: llama-server exits when an inherited one closes
+            command,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     server = VllmServer(process, port)
     try:
@@ -377,14 +382,21 @@ def run_llama(args: argparse.Namespace) -> Measured:
     print(f"[bench-peers] llama.cpp on {gguf} (log {log_file})", flush=True)
     result = Measured(LLAMA)
     for index, c in enumerate(args.concurrency):
-        with llama_server(
-            args.llama_server, gguf, args.model_name, args.threads, c, log_file,
-            args.llama_ctx, args.ready_timeout,
-        ) as server:  # fmt: skip
-            one = asyncio.run(
-                measure(server.base_url, args.model_name, server.process.pid, args, LLAMA, [c],
-                        prefill=index == len(args.concurrency) - 1)
-            )  # fmt: skip
+        for attempt in range(3):  # a server that dies mid-level (seen here: a stray SIGTERM)
+            try:
+                with llama_server(
+                    args.llama_server, gguf, args.model_name, args.threads, c, log_file,
+                    args.llama_ctx, args.ready_timeout,
+                ) as server:  # fmt: skip
+                    one = asyncio.run(
+                        measure(server.base_url, args.model_name, server.process.pid, args,
+                                LLAMA, [c], prefill=index == len(args.concurrency) - 1)
+                    )  # fmt: skip
+                break
+            except httpx.TransportError as error:
+                if attempt == 2:
+                    raise
+                print(f"[bench-peers] llama.cpp C={c}: {error!r}, again", flush=True)
         result.rows.update(one.rows)
         result.note += one.note
         result.prefill = one.prefill or result.prefill
