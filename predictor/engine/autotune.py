@@ -33,10 +33,15 @@ from predictor.engine.int4_linear import Int4Linear, Kernel, head_candidates
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 1  # of the cache file's contents
+VERSION = 2  # of the cache file's contents and the choosing rule
 ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
+# Kernels that hold a copy of the weights besides the 4-bit ones (a bf16 expansion: 4x the
+# int4 bytes; lm_head's fp32 copy) win a bucket only this much faster than the best kernel
+# without one: a policy on memory, not a speed measured anywhere.
+COPIES = frozenset({"prepacked_bf16", "fp32"})
+COPY_MARGIN = 1.15
 
 
 @dataclass
@@ -189,6 +194,11 @@ def _buckets(
         timed = {name: _time(layers, x) for name, layers in kernels.items()}
         figures[str(rows)] = {name: round(seconds * 1e3, 4) for name, seconds in timed.items()}
         best = min(timed, key=lambda name: timed[name])
+        lean = [name for name in timed if name not in COPIES]
+        if best in COPIES and lean:
+            runner_up = min(lean, key=lambda name: timed[name])
+            if timed[runner_up] < timed[best] * COPY_MARGIN:
+                best = runner_up
         if not plan or plan[-1][1] != best:
             plan.append((rows, best))
     return plan, figures

@@ -103,16 +103,26 @@ class Int4Linear(torch.nn.Module):
         plan = sorted((int(rows), resolve_kernel(name)) for rows, name in plan)
         if not plan or plan[0][0] != 1:
             raise ValueError("a plan starts at 1 row")
+        if not self.qweight.numel() and any(
+            name not in self._kernels or name == INT4_OP for _, name in plan
+        ):
+            raise ValueError("the int4pack weights were dropped: only the built kernels remain")
         kernels = {name: self.kernel(name) for _, name in plan}
         self._by_rows = [kernels[plan[0][1]]]  # index 0: never used (no step has 0 rows)
         for rows in range(1, plan[-1][0] + 1):
             self._by_rows.append(kernels[[n for low, n in plan if low <= rows][-1]])
         self.plan = list(plan)
         self._kernels = {INT4_OP: self._int4_op, **kernels}
-        if not any(name.startswith("native_") for name in kernels):
+        if not any(name.startswith("native_") for name in kernels) and self.qweight.numel():
             self._native_weight = None
+        elif INT4_OP not in kernels and self.qweight.numel():
+            # the native layout serves: torch's int4pack copy goes (a later plan may then use
+            # only the kernels built by now)
+            self.qweight = torch.empty(0, dtype=self.qweight.dtype)
 
     def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.qweight.numel():
+            raise RuntimeError("the int4pack weights were dropped: plan the int4 op to use it")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.qweight, self.group_size, self.scales_and_zeros
         )

@@ -13,7 +13,7 @@ import torch
 from predictor.engine.runner import ModelRunner, StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
-from predictor.settings import KERNELS, Settings
+from predictor.settings import KERNELS, LOADER_KERNELS, Settings
 from tests.support import REPO, ServerProcess
 
 
@@ -70,7 +70,8 @@ def greedy_run(model: Any, prompt: list[int], steps: int) -> tuple[list[int], to
     return tokens, torch.stack(rows)
 
 
-@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "auto"])
+# the loader's kernels; the runner's fused ones (int4_op, native_*, ...): tests/engine/test_runner.py
+@pytest.mark.parametrize("kernel", [k for k in LOADER_KERNELS if k != "auto"])
 def test_every_kernel_gives_the_default_kernels_greedy_tokens(
     kernel: str, tiny_gptq_dir: Path, tiny_gptq: LoadedModel
 ) -> None:
