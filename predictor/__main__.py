@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from prometheus_client import REGISTRY
 
-from predictor.config import Settings
+from predictor.config import FUSED_KERNELS, Settings
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.runners.model import ModelRunner
@@ -42,14 +42,19 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         vocab = len(loaded.tokenizer)
         runner = NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
     else:
-        runner = ModelRunner(  # UnsupportedModel is a CheckpointError
-            loaded.model,
-            loaded.device,
-            allocator.num_blocks,
-            allocator.block_size,
-            threads=settings.torch_threads,
-            attention=settings.attention,
-        )
+        try:
+            runner = ModelRunner(  # UnsupportedModel is a CheckpointError
+                loaded.model,
+                loaded.device,
+                allocator.num_blocks,
+                allocator.block_size,
+                threads=settings.torch_threads,
+                attention=settings.attention,
+                kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
+                autotune_cache=settings.autotune_dir,
+            )
+        except ValueError as exc:  # a forced kernel this CPU cannot run
+            raise CheckpointError(str(exc)) from exc
     scheduler = Scheduler(settings.max_batch_size, settings.max_waiting)
     step_loop = StepLoop(
         runner,

@@ -16,8 +16,18 @@ DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 # GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
 # its backend names) and the weights dequantized at load into plain Linear layers. Not offered:
 # gptq_torch_fused (gptqmodel 7.6.0), whose logits on an asymmetric checkpoint (the default
-# recipe) are off by up to 33 against TorchAtenLinear and the dequantized weights (checked here)
-KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_int8", "dequantized")
+# recipe) are off by up to 33 against TorchAtenLinear and the dequantized weights (checked here).
+# Then the kernels of the runner's fused projections (TorchAtenLinear's weights): "auto" lets
+# the autotune choose per row count; a name from FUSED_KERNELS forces that one: torch's int4 op,
+# the weights expanded to bf16 and prepacked for oneDNN, or int4_matmul.c with fp32 or int8
+# activations (the widest instruction set, or the one named; engine/runners/native.py).
+LOADER_KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_int8", "dequantized")
+NATIVE_ISAS = ("avx512vnni", "avx512", "avx2vnni", "avx2")  # widest first
+NATIVE_KERNELS = tuple(
+    f"native_{act}{isa}" for act in ("f32", "i8") for isa in ("", *(f"_{i}" for i in NATIVE_ISAS))
+)
+FUSED_KERNELS = ("int4_op", "prepacked_bf16", *NATIVE_KERNELS)
+KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
 # how decode rows attend on a CPU (engine/runners/native.py)
 ATTENTION = ("auto", "native", "torch")
 
@@ -37,6 +47,8 @@ class Settings:
     # there at batch 16 (load/RESULTS.md, "CPU GPTQ kernels"), the GPU kernels on a GPU
     kernel: str = "auto"
     attention: str = "auto"  # decode attention: one of ATTENTION
+    # where the kernel autotune keeps its choices per machine, torch and model ("": nowhere)
+    autotune_cache: str = str(Path.home() / ".cache" / "gptq-predictor")
     max_tokens_limit: int = 512  # cap on a request's max_tokens
     default_max_tokens: int = 64
     max_batch_size: int = 16  # rows in the running batch
@@ -59,6 +71,10 @@ class Settings:
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     hf_home: Path = Path.home() / ".cache" / "huggingface"
+
+    @property
+    def autotune_dir(self) -> Path | None:
+        return Path(self.autotune_cache) if self.autotune_cache else None
 
     @property
     def torch_threads(self) -> int:
@@ -126,9 +142,15 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
     "(measures everything around the model; benchmarks only)",
-    "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice), a gptqmodel backend "
-    f"({', '.join(KERNELS[1:-1])}) or dequantized (expanded once at load into plain Linear "
-    "layers of the model's dtype: the same numbers, 4x the weight memory)",
+    "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice; on a CPU its int4 "
+    "layers fused, each matmul run by the kernel a short autotune measured fastest for the "
+    f"step's rows), a gptqmodel backend ({', '.join(LOADER_KERNELS[1:-1])}), dequantized "
+    "(expanded once at load into plain Linear layers of the model's dtype: the same numbers, 4x "
+    "the weight memory), or one kernel for every fused projection: int4_op (torch's), "
+    "prepacked_bf16 (oneDNN), native_f32 / native_i8 (engine/runners/int4_matmul.c, fp32 or int8 "
+    "activations, the widest instruction set; _avx2, _avx512, ... names one)",
+    "autotune_cache": "folder of the kernel autotune's cached choices (empty: measure at "
+    "every start)",
     "attention": "how decode rows attend on a CPU: native (a C kernel compiled at start with "
     "$CC or cc/gcc/g++/clang, reading the paged cache in place; bf16 models), torch (gather + "
     "batched matmuls), or auto: native where it compiles",

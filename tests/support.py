@@ -94,6 +94,10 @@ class ServerProcess:
         cls, model_dir: Path, model_name: str, extra: Sequence[str] = (), timeout: float = 180.0
     ) -> Iterator[ServerProcess]:
         log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
-        args = ["--threads", "1", *extra]
+        # torch's kernels and ops: the serving tests need requests that last seconds (holders of
+        # 900 tokens, streams outliving a 4 MiB upload), and the native kernels decode the tiny
+        # model several times faster. The native path is served end to end by
+        # tests/load/test_bench_peers.py (default flags) and checked in tests/engine.
+        args = ["--threads", "1", "--attention", "torch", "--kernel", "int4_op", *extra]
         with local_server(str(model_dir), model_name, log_path, args, timeout) as srv:
             yield cls(srv.process, model_name, srv.http_port, srv.grpc_port, log_path)

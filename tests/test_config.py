@@ -58,3 +58,11 @@ def test_help_lists_our_flags() -> None:
 def test_inconsistent_limits_are_refused() -> None:
     with pytest.raises(ValueError):
         Settings.from_sources(["--default-max-tokens", "100", "--max-tokens-limit", "10"], {})
+
+
+def test_kernel_forces_a_runner_kernel_and_the_autotune_cache_is_a_folder() -> None:
+    settings = Settings.from_sources(["--kernel", "native_i8_avx2", "--autotune-cache", ""], {})
+    assert settings.kernel == "native_i8_avx2" and settings.autotune_dir is None
+    assert Settings().autotune_dir == Path(Settings().autotune_cache)
+    with pytest.raises(SystemExit):
+        Settings.from_sources(["--kernel", "fastest"], {})

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from predictor.config import KERNELS
+from predictor.config import FUSED_KERNELS, KERNELS
 from predictor.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,10 @@ def load_checkpoint(
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
 
     # "dequantized" reads the packed weights through gptqmodel's portable torch kernel
+    # the runner's fused kernels all start from TorchAtenLinear's packed weights
     backend = {"auto": None, "dequantized": "gptq_torch"}.get(kernel, kernel)
+    if kernel in FUSED_KERNELS:
+        backend = "gptq_torch_aten"
     options: dict[str, Any] = {}
     if backend is not None:  # only the backend is taken from here; the rest from config.json
         options["quantization_config"] = GPTQConfig(bits=int(quant["bits"]), backend=backend)

@@ -18,6 +18,7 @@ from load.bench_peers import (
     format_section,
     format_shared_section,
     format_table,
+    kernel_choices,
     process_tree,
     replace_section,
     rounds_for,
@@ -30,36 +31,58 @@ def _row(tok_s: float, ttft: float = 0.2, itl50: float = 0.04, itl95: float = 0.
     return {"tok_s": tok_s, "ttft_p50": ttft, "itl_p50": itl50, "itl_p95": itl95}
 
 
-def test_table_has_one_row_per_level_with_the_ratio() -> None:
+def test_table_has_one_row_per_level_with_the_ratios() -> None:
     vllm = Measured("vLLM-CPU", {1: _row(40.0), 16: _row(360.0, ttft=0.226)})
+    llama = Measured("llama.cpp", {1: _row(60.0), 16: _row(90.0)})
     ours = Measured("ours", {1: _row(30.0), 16: _row(180.0, itl95=0.1)})
-    lines = format_table(vllm, ours, [1, 16])
+    lines = format_table([vllm, llama, ours], [1, 16])
     assert len(lines) == 4
-    assert lines[2].startswith("| 1 | 40.0 | 30.0 | 0.75x |")
-    assert lines[3] == "| 16 | 360.0 | 180.0 | 0.50x | 226 / 200 | 40 / 40 | 60 / 100 |"
+    assert lines[0].startswith("| C | vLLM-CPU tok/s | llama.cpp tok/s | ours tok/s | ours / vLLM")
+    assert lines[2].startswith("| 1 | 40.0 | 60.0 | 30.0 | 0.75x | 0.50x |")
+    assert lines[3] == (
+        "| 16 | 360.0 | 90.0 | 180.0 | 0.50x | 2.00x | 226 / 200 / 200 | 40 / 40 / 40 "
+        "| 60 / 60 / 100 |"
+    )
 
 
 def test_table_marks_a_server_that_did_not_run() -> None:
-    lines = format_table(None, Measured("ours", {4: _row(90.0)}), [4])
+    lines = format_table([Measured("llama.cpp"), Measured("ours", {4: _row(90.0)})], [4])
     assert lines[2] == "| 4 | - | 90.0 | - | - / 200 | - / 40 | - / 60 |"
 
 
-def test_section_states_date_threads_and_memory() -> None:
+def test_section_states_date_cpu_threads_prefill_memory_and_choices() -> None:
     args = argparse.Namespace(
         threads=1, max_seqs=32, max_tokens=64, cpus=2, concurrency=[16], memory_at=16,
         fp_dir=Path("fp"), gptq_dir=Path("gptq"), vllm_kv_cache_gib=1, rounds=2,
-        min_requests=8, load_average=(1.0, 2.0, 3.0),
+        min_requests=8, load_average=(1.0, 2.0, 3.0), llama_ctx=32768, baseline_tree=Path("m"),
     )  # fmt: skip
-    ours = Measured("ours", {16: _row(150.0)}, Memory(800.0, 700.0, 1), load=(1.5, 2.25))
-    section = format_section(None, ours, args, datetime.date(2026, 11, 29))
+    prefill = {"prompt_tokens": 1500, "seconds": 1.5, "tok_s": 1000.0}
+    llama = Measured("llama.cpp", {16: _row(90.0)}, prefill=dict(prefill, tok_s=250.0))
+    ours = Measured("ours", {16: _row(150.0)}, Memory(800.0, 700.0, 1), load=(1.5, 2.25),
+                    prefill=prefill, choices=["kernel (measured) o 576x576/32 x30: 1+ rows x"])  # fmt: skip
+    section = format_section([llama, ours], args, datetime.date(2026, 11, 29), pp512=137.0)
     assert section.startswith(SECTION + "\n")
+    flat = " ".join(section.split())
     assert "2026-11-29" in section and "**1 compute thread**" in section
-    assert "VLLM_CPU_OMP_THREADS_BIND=" in section and "--threads 1" in section
+    assert "CPU: " in section and "--threads 1" in section and "-np C" in flat
     assert "load average 1.0/2.0/3.0" in section
     assert "while measuring: ours 1.5 to 2.2." in section
-    assert "ours 800 MiB RSS (700 MiB PSS, 1 processes)" in " ".join(section.split())
-    prose = [line for line in section.splitlines() if not line.startswith("|")]
+    assert "ours 800 MiB RSS (700 MiB PSS, 1 processes)" in flat
+    assert "ours 1000 tok/s (1500 tokens in 1500 ms)" in flat and "pp512 137 tok/s" in flat
+    assert "    kernel (measured) o 576x576/32 x30: 1+ rows x" in section
+    prose = [line for line in section.splitlines() if not line.startswith(("|", "    "))]
     assert max(len(line) for line in prose) <= 100
+
+
+def test_kernel_choices_are_read_from_a_server_log() -> None:
+    log = (
+        "2026 INFO predictor.engine.runners.autotune: kernels for CPU X, 1 threads, torch 2; flags: avx2\n"
+        "noise\n2026 INFO predictor.engine.runners.autotune: kernel (measured) o 8x8/32 x1: 1+ rows a\n"
+    )
+    assert kernel_choices(log) == [
+        "kernels for CPU X, 1 threads, torch 2; flags: avx2",
+        "kernel (measured) o 8x8/32 x1: 1+ rows a",
+    ]
 
 
 def test_replace_section_appends_then_replaces_in_place() -> None:
@@ -96,7 +119,7 @@ def test_bench_peers_measures_our_server(tiny_gptq_dir: Path, tmp_path: Path) ->
     command = [
         sys.executable, "-m", "load.bench_peers", "--servers", "ours", "--gptq-dir",
         str(tiny_gptq_dir), "--concurrency", "1", "2", "--memory-at", "2", "--rounds", "1",
-        "--min-requests", "1", "--max-tokens", "4", "--results", str(results),
+        "--min-requests", "1", "--max-tokens", "4", "--results", str(results), "--no-prefill",
         "--log-dir", str(tmp_path), "--ready-timeout", "120",
     ]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -105,10 +128,11 @@ def test_bench_peers_measures_our_server(tiny_gptq_dir: Path, tmp_path: Path) ->
     assert text.startswith("# Measured figures\n\n## Engine\n\nunchanged\n\n" + SECTION)
     rows = [line.split("|") for line in text.splitlines() if line.startswith(("| 1 ", "| 2 "))]
     assert [row[1].strip() for row in rows] == ["1", "2"]
-    assert all(row[2].strip() == "-" and float(row[3]) > 0 for row in rows)  # no vLLM; ours
+    assert all(float(row[2]) > 0 for row in rows)  # ours alone
     assert "expected" not in text  # every request gave exactly --max-tokens tokens
-    memory = " ".join(text.split()).split("vLLM-CPU -; ours ")[1]
+    memory = " ".join(text.split()).split("whole process tree: ours ")[1]
     assert float(memory.split(" MiB RSS")[0]) > 50
+    assert "Kernels chosen at start (ours):" in text and "kernel (" in text
 
 
 def test_shared_prefix_section_has_hit_rates_and_ratios() -> None:

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 
-from predictor.config import KERNELS, Settings
+from predictor.config import KERNELS, LOADER_KERNELS, Settings
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.errors import CheckpointError
@@ -71,7 +71,8 @@ def greedy_run(model: Any, prompt: list[int], steps: int) -> tuple[list[int], to
     return tokens, torch.stack(rows)
 
 
-@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "auto"])
+# the loader's kernels; the runner's fused ones (int4_op, native_*, ...): tests/engine/test_runner.py
+@pytest.mark.parametrize("kernel", [k for k in LOADER_KERNELS if k != "auto"])
 def test_every_kernel_gives_the_default_kernels_greedy_tokens(
     kernel: str, tiny_gptq_dir: Path, tiny_gptq: LoadedModel
 ) -> None:

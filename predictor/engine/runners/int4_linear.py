@@ -3,41 +3,39 @@
 TorchAtenLinear (gptqmodel's CPU kernel, torch's `_weight_int4pack_mm_for_cpu`) reorders every
 input by `ret_idx` before the matmul, even when the checkpoint has no act-order and the order is
 the identity (210 gathers a step for SmolLM2: measured 6-8 ms of a 16-row step). And q, k, v
-(and gate, up) read the same input in three (two) calls. `Int4Linear` calls the op directly,
+(and gate, up) read the same input in three (two) calls. `Int4Linear` calls a kernel directly,
 with the output columns of several such layers side by side, so a layer's q, k and v are one
 call, and gate and up another: 7 kernel calls a layer become 4.
 
-Only layers whose reordering is the identity, with no bias and no adapter, are fused. Steps of
-several rows run the same weights expanded to bf16 and prepacked for oneDNN (see Int4Linear);
-the numbers differ from the int4 op's by bf16 rounding only. Only the runner uses them.
+Only layers whose reordering is the identity, with no bias and no adapter, are fused. Each fused
+layer can run several kernels (`config.FUSED_KERNELS`): torch's int4 op; the weights expanded
+once, exactly, to bf16 and prepacked for oneDNN (4x the int4 bytes); or int4_matmul.c over
+the same 4-bit codes repacked (fp32 or int8 activations, per instruction set). Which one serves
+a step of so many rows is the autotune's choice (autotune.py), measured on this machine;
+a kernel no bucket chose is dropped. Only the runner uses them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# steps with at least this many tokens run the prepacked bf16 weights, fewer the int4 op
-DENSE_MIN_ROWS = 6
+from predictor.engine.runners import native
+
+INT4_OP, PREPACKED = "int4_op", "prepacked_bf16"
+Kernel = Callable[[torch.Tensor], torch.Tensor]  # [N, K] bf16 -> [N, out] bf16
 
 
 class Int4Linear(torch.nn.Module):
-    """The output columns of `parts` side by side, as one matmul.
+    """The output columns of `parts` side by side, as one matmul, by the kernel `plan` names
+    for the step's row count (until a plan is set: torch's int4 op)."""
 
-    Where torch has oneDNN's prepacked linear (`mkldnn._linear_pointwise`), the int4 weights are
-    also expanded once, exactly (the int4 op applied to an identity matrix), into bf16 and
-    prepacked, and steps of DENSE_MIN_ROWS tokens or more use them: measured on this CPU at 16
-    rows, 273 us against 664 us for the int4 op (gate/up of SmolLM2-135M). With fewer rows a
-    step reads every layer's weights once and little else, and the int4 op moves a quarter of
-    the bytes. Whole SmolLM2 steps, prepacked against int4, 1 thread: 3 rows 31.7 / 25.0 ms,
-    4 rows 32.7 / 28.0, 6 rows 37.2 / 37.8, 8 rows 38.7 / 41.7, 12 rows 45.1 / 55.4; so from 6
-    rows on. (A layer's weights alone stay in cache; a whole step's bf16 weights, 212 MB, do
-    not, and at a few rows the step is bound by reading them.) The prepacked copy costs
-    4x the fused layers' int4 bytes (about 200 MB for SmolLM2-135M).
-    """
+    qweight: torch.Tensor
+    scales_and_zeros: torch.Tensor
 
     def __init__(self, parts: Sequence[Any]) -> None:
         super().__init__()
@@ -49,24 +47,186 @@ class Int4Linear(torch.nn.Module):
         # packed weights [N, K / 2] and scales-and-zeros [groups, N, 2]: N side by side
         qweight = torch.cat([p.qweight for p in parts], dim=0)
         scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
-        self.prepacked: torch.Tensor | None = _prepack(
-            qweight, scales_and_zeros, self.group_size, self.in_features
-        )
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self._kernels: dict[str, Kernel] = {INT4_OP: self._int4_op}
+        self._native_weight: torch.Tensor | None = None  # int4_matmul.c's layout, uint8
+        self._by_rows: list[Kernel] = [self._int4_op]  # [rows] -> kernel; the last for more
+        self.plan: list[tuple[int, str]] = [(1, INT4_OP)]
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(out features, in features, group size): what the autotune measures per."""
+        return (self.out_features, self.in_features, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.dtype != torch.bfloat16:  # the runner's own calls are [N, K] bf16
             flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
             return self(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        if self.prepacked is not None and x.shape[0] >= DENSE_MIN_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.prepacked, None, "none", [], "")
+        rows = x.shape[0]
+        table = self._by_rows
+        return table[rows if rows < len(table) else -1](x)
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(out.split(self.splits, dim=-1))
+
+    def candidates(self, every_isa: bool = False) -> list[str]:
+        """The kernels this layer could run on this machine (built or not): the native ones in
+        the widest instruction set only, unless `every_isa` (narrower ones never measured
+        faster here, and each costs autotune time)."""
+        names = [INT4_OP]
+        if prepack_available():
+            names.append(PREPACKED)
+        isas = native.usable_isas()
+        if self.in_features % self.group_size == 0 and self.group_size % 8 == 0:
+            for isa in isas if every_isa else isas[:1]:
+                names.append(f"native_f32_{isa}")
+                if self.group_size % 32 == 0:
+                    names.append(f"native_i8_{isa}")
+        return names
+
+    def kernel(self, name: str) -> Kernel:
+        """The kernel `name` (see config.FUSED_KERNELS), built now if it is not yet; ValueError
+        naming why where it cannot run here (native.NativeUnavailable where it fails to build)."""
+        name = resolve_kernel(name)
+        if name not in self._kernels:
+            if name == PREPACKED:
+                self._kernels[name] = self._prepacked()
+            elif name.startswith("native_"):
+                self._kernels[name] = self._native(name)
+            else:
+                raise ValueError(f"unknown kernel {name!r}")
+        return self._kernels[name]
+
+    def use(self, plan: Sequence[tuple[int, str]]) -> None:
+        """Run `plan`: (fewest rows, kernel) pairs, the first at 1 row; drop unused kernels."""
+        plan = sorted((int(rows), resolve_kernel(name)) for rows, name in plan)
+        if not plan or plan[0][0] != 1:
+            raise ValueError("a plan starts at 1 row")
+        if not self.qweight.numel() and any(
+            name not in self._kernels or name == INT4_OP for _, name in plan
+        ):
+            raise ValueError("the int4pack weights were dropped: only the built kernels remain")
+        kernels = {name: self.kernel(name) for _, name in plan}
+        self._by_rows = [kernels[plan[0][1]]]  # index 0: never used (no step has 0 rows)
+        for rows in range(1, plan[-1][0] + 1):
+            self._by_rows.append(kernels[[n for low, n in plan if low <= rows][-1]])
+        self.plan = list(plan)
+        self._kernels = {INT4_OP: self._int4_op, **kernels}
+        if not any(name.startswith("native_") for name in kernels) and self.qweight.numel():
+            self._native_weight = None
+        elif INT4_OP not in kernels and self.qweight.numel():
+            # the native layout serves: torch's int4pack copy goes (a later plan may then use
+            # only the kernels built by now)
+            self.qweight = torch.empty(0, dtype=self.qweight.dtype)
+
+    def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.qweight.numel():
+            raise RuntimeError("the int4pack weights were dropped: plan the int4 op to use it")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, self.qweight, self.group_size, self.scales_and_zeros
         )
 
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(out.split(self.splits, dim=-1))
+    def _prepacked(self) -> Kernel:
+        weight = _prepack(self.qweight, self.scales_and_zeros, self.group_size, self.in_features)
+        if weight is None:
+            raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+
+    def _native(self, name: str) -> Kernel:
+        _, act, isa = name.split("_", 2)
+        if name not in self.candidates(every_isa=True):
+            raise ValueError(f"{name} cannot run here ({self.shape}, CPU {native.usable_isas()})")
+        compiled = native.int4_matmul(isa)
+        if self._native_weight is None:
+            self._native_weight = _repack(
+                compiled, self.qweight, self.scales_and_zeros, self.group_size, self.in_features
+            )
+        weight, n, k, group = (
+            self._native_weight,
+            self.out_features,
+            self.in_features,
+            self.group_size,
+        )
+        int8 = int(act == "i8")
+        matmul = compiled.matmul
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            rows = x.shape[0]
+            out = torch.empty((rows, n), dtype=torch.bfloat16)
+            threads = torch.get_num_threads()
+            if rows and matmul(x.data_ptr(), rows, k, weight.data_ptr(), n, group,
+                               out.data_ptr(), n, threads, int8):  # fmt: skip
+                raise MemoryError("int4_matmul: no memory for its activation buffer")
+            return out
+
+        return run
+
+
+def resolve_kernel(name: str) -> str:
+    """native_f32 / native_i8 (no instruction set named) -> the widest this CPU has."""
+    if name in ("native_f32", "native_i8"):
+        isas = native.usable_isas()
+        if not isas:
+            raise ValueError(f"{name}: this CPU has neither AVX2 + FMA nor AVX-512")
+        return f"{name}_{isas[0]}"
+    return name
+
+
+@functools.lru_cache(maxsize=8)
+def _int4pack_positions(n: int, k: int) -> torch.Tensor:
+    """Where torch's CPU int4pack layout puts each code: nibble i (low nibble of byte i // 2
+    first) holds code [n][k] number positions[i]. Read off torch's own packing of the codes'
+    indices, 4 bits at a time, so it follows whatever layout this torch version uses."""
+    index = torch.arange(n * k, dtype=torch.int64)
+    positions = torch.zeros(n * k, dtype=torch.int64)
+    for shift in range(0, max(1, (n * k - 1).bit_length()), 4):
+        digits = ((index >> shift) & 15).to(torch.int32).view(n, k)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digits, 1)
+        positions |= _nibbles(packed).long() << shift
+    return positions
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1)
+
+
+def int4pack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The codes [n, k] (uint8, 0..15) of a torch CPU int4pack weight."""
+    codes = torch.empty(n * k, dtype=torch.uint8)
+    codes[_int4pack_positions(n, k)] = _nibbles(qweight)
+    return codes.view(n, k)
+
+
+def release_repack_tables() -> None:
+    """Free the cached int4pack position tables (the runner calls it once its layers are built)."""
+    _int4pack_positions.cache_clear()
+
+
+def _repack(
+    compiled: native.Int4Kernel,
+    qweight: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
+    """The int4pack weights and their scales and zeros in int4_matmul.c's layout (uint8)."""
+    n = scales_and_zeros.shape[1]
+    codes = int4pack_codes(qweight, n, in_features).contiguous()
+    scales = scales_and_zeros[..., 0].to(torch.bfloat16).contiguous()  # [groups, n]
+    zeros = scales_and_zeros[..., 1].to(torch.bfloat16).contiguous()
+    out = torch.empty(native.Int4Kernel.packed_bytes(n, in_features, group_size), dtype=torch.uint8)
+    compiled.repack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, in_features,
+                    group_size, out.data_ptr())  # fmt: skip
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def prepack_available() -> bool:
+    """Whether oneDNN's prepacked bf16 linear works here (it refuses CPUs without avx512bw/vl/dq
+    or avx_ne_convert)."""
+    return _reorder(torch.ones((16, 16), dtype=torch.bfloat16)) is not None
 
 
 def _prepack(
@@ -86,11 +246,12 @@ def _prepack(
     return _reorder(dense.t())
 
 
-def dense_linear(module: Any) -> Any:
-    """A bias-free bf16 `nn.Linear` on the CPU (lm_head) as a oneDNN-prepacked matmul, or the
-    module itself. Measured for SmolLM2's tied [49152, 576] lm_head, 1 thread: 3.9 ms against
-    6.2 ms for the module at 1 row, 6.6 against 10.1 at 16. The copy costs the weight's bytes
-    once more (57 MB); fp32 weights keep the module, whose numbers the exactness tests hold."""
+def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
+    """Ways to run a bias-free CPU `nn.Linear` (lm_head), each built on demand: the module
+    itself, and for bf16 weights an fp32 copy (bf16 matmuls are emulated on CPUs without
+    AVX-512 BF16) and a oneDNN-prepacked bf16 copy (each costs the weight's bytes again). Other
+    modules (fp32 weights, whose numbers the exactness tests hold, GPU) keep the module only."""
+    found: dict[str, Callable[[], Kernel]] = {"module": lambda: module}
     weight = getattr(module, "weight", None)
     if (
         not isinstance(module, torch.nn.Linear)
@@ -99,11 +260,22 @@ def dense_linear(module: Any) -> Any:
         or weight.dtype != torch.bfloat16
         or weight.device.type != "cpu"
     ):
-        return module
-    prepacked = _reorder(weight.detach())
-    if prepacked is None:
-        return module
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], "")
+        return found
+
+    def fp32() -> Kernel:
+        full = weight.detach().float()
+        return lambda x: torch.nn.functional.linear(x.float(), full)
+
+    def prepacked() -> Kernel:
+        packed = _reorder(weight.detach())
+        if packed is None:
+            raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+    found["fp32"] = fp32
+    if prepack_available():
+        found[PREPACKED] = prepacked
+    return found
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
@@ -141,6 +313,8 @@ def _packed(module: Any) -> bool:
 @dataclass
 class FusedLayer:
     """A decoder layer's projections as four calls: qkv, o, gate_up, down."""
+
+    KINDS = ("qkv", "o", "gate_up", "down")
 
     qkv: Int4Linear
     o: Int4Linear

@@ -15,14 +15,27 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from predictor.config import ATTENTION
-from predictor.engine.runners.int4_linear import dense_linear, fuse_layer
-from predictor.engine.runners.native import DecodeAttention, decode_attention
+from predictor.config import ATTENTION, FUSED_KERNELS
+from predictor.engine.runners import autotune
+from predictor.engine.runners.int4_linear import (
+    FusedLayer,
+    Kernel,
+    fuse_layer,
+    release_repack_tables,
+)
+from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
+from predictor.engine.runners.native import (
+    DecodeAttention,
+    decode_attention,
+    int4_matmul,
+    usable_isas,
+)
 from predictor.engine.step import StepRow
 from predictor.errors import NativeUnavailable, UnsupportedModel
 
@@ -40,10 +53,16 @@ class ModelRunner:
         block_size: int = 16,
         threads: int = 0,
         attention: str = "auto",
+        kernel: str = "auto",
+        autotune_cache: Path | None = None,
     ) -> None:
-        """`attention`: how decode rows attend. "native": the C kernel of engine/native.py,
+        """`attention`: how decode rows attend. "native": the C kernel of native.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
-        "auto": native where it applies and compiles, else torch."""
+        "auto": native where it applies and compiles, else torch.
+
+        `kernel`: how the fused int4 projections run: "auto" (autotune.py measures the
+        candidates per row-count bucket, at the first step or in `bind_thread`, and caches its
+        choices in `autotune_cache` when given) or one of config.FUSED_KERNELS for every step."""
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -75,7 +94,20 @@ class ModelRunner:
             for layer in self._layers
         ]
         self._final_norm = _rms_norm(decoder.norm)
-        self._head = dense_linear(self._lm_head)
+        if kernel != "auto" and kernel not in FUSED_KERNELS:
+            raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
+        if kernel != "auto":
+            first = next((f for f in self._fused if f is not None), None)
+            if first is None:
+                raise ValueError(f"kernel {kernel} needs fused int4 layers (a CPU GPTQ model)")
+            try:  # here, not on the step thread: a kernel that cannot run here is refused now
+                first.qkv.kernel(kernel)
+            except NativeUnavailable as error:
+                raise ValueError(f"kernel {kernel} is unavailable: {error}") from error
+        self.kernel = kernel
+        self._autotune_cache = autotune_cache
+        self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
+        self.choices: autotune.Choices | None = None
         dtype = self._embed.weight.dtype
         slots = num_blocks * block_size
         # per layer: keys then values of every token slot, plus one zero slot that padding
@@ -91,6 +123,10 @@ class ModelRunner:
             pool[:, slots].zero_()
         self._pad_slot = slots
         self._native = self._native_attention(attention, dtype)
+        # with native attention, the layers' norms, rotary + cache write and SwiGLU too
+        self._ops: LayerKernels | None = None
+        if self._native is not None:
+            self._ops = layer_kernels(model, self.head_dim)
 
     def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
         if attention not in ATTENTION:
@@ -118,6 +154,28 @@ class ModelRunner:
         """
         if self.threads > 0:
             torch.set_num_threads(self.threads)
+        self._tune()
+
+    def _tune(self) -> None:
+        """Measure (or read back) which kernel serves each matmul, once, on the calling thread
+        with its thread count."""
+        if self._head is not None:
+            return
+        fused = [(f, kind) for f in self._fused if f is not None for kind in FusedLayer.KINDS]
+        linears = [getattr(f, kind) for f, kind in fused]
+        threads = torch.get_num_threads()
+        isas = usable_isas()
+        if linears and isas and self._autotune_cache is not None:
+            try:  # built into the cache folder, or loaded from it
+                int4_matmul(isas[0], self._autotune_cache / "native")
+            except NativeUnavailable as error:
+                logger.warning("native int4 matmul unavailable: %s", error)
+        self.choices, self._head = autotune.tune(
+            linears, [kind for _, kind in fused], self._lm_head, threads,
+            self._autotune_cache, self.kernel,
+        )  # fmt: skip
+        release_repack_tables()
+        autotune.log_choices(self.choices, threads)
 
     @property
     def cache_bytes(self) -> int:
@@ -131,6 +189,7 @@ class ModelRunner:
         microseconds of dispatch per op add up to milliseconds), so a layer is written as few
         tensor ops as it can be: one rotary pass over q, k and v together, one cache write, and
         decode attention as one native call (or one gather and a few batched matmuls)."""
+        self._tune()
         plan = _Plan.build(
             rows,
             self.block_size,
@@ -141,6 +200,8 @@ class ModelRunner:
         )
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
+        if self._ops is not None:
+            return self._forward_native(hidden, plan, self._ops)
         rope = self._rope(hidden, plan.positions)
         for index, layer in enumerate(self._layers):
             before_attention, before_mlp = self._norms[index]
@@ -151,7 +212,26 @@ class ModelRunner:
         if len(plan.logit_rows) != hidden.shape[0]:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
             hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        assert self._head is not None
         return self._head(self._final_norm(hidden)).float()  # [R, V]
+
+    def _forward_native(self, hidden: torch.Tensor, plan: _Plan, ops: LayerKernels) -> torch.Tensor:
+        """`forward` with the native layer ops: each residual add fused into the next norm
+        (hidden is updated in place), the rotary pass and the cache write in one call."""
+        at = torch.tensor(plan.positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        rope = (cos[0].to(hidden.dtype).contiguous(), sin[0].to(hidden.dtype).contiguous())
+        normed = ops.add_rms_norm(hidden, None, 0)
+        for index, layer in enumerate(self._layers):
+            out = self._attention(index, layer.self_attn, normed, rope, plan)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 1)
+            out = self._mlp(index, layer.mlp, normed)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 2)  # the last: the final norm
+        if len(plan.logit_rows) != normed.shape[0]:
+            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+            normed = normed.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        assert self._head is not None
+        return self._head(normed).float()  # [R, V]
 
     def _rope(
         self, hidden: torch.Tensor, positions: list[int]
@@ -184,14 +264,18 @@ class ModelRunner:
             qkv = fused.qkv(hidden)
         else:
             qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
-        # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
-        qkv = qkv.view(n, heads + 2 * kv_heads, dim)
-        cos, sin = rope
-        swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
-        qkv = qkv * cos + swapped * sin
         pool = self._pools[index]
-        pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
+        cos, sin = rope
+        if self._ops is not None:  # rope [N, dim] each; rotated and written in one call
+            qkv = qkv.contiguous().view(n, heads + 2 * kv_heads, dim)
+            self._ops.rope_write(qkv, heads, kv_heads, cos, sin, pool, plan.write_slots)
+        else:
+            # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
+            qkv = qkv.view(n, heads + 2 * kv_heads, dim)
+            swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
+            qkv = qkv * cos + swapped * sin
+            pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
         out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
         if plan.decode_rows and self._native is not None:
             tables, lengths, scratch = plan.native_args
@@ -242,6 +326,8 @@ class ModelRunner:
         fused = self._fused[index]
         if fused is None:
             return mlp(hidden)
+        if self._ops is not None:
+            return fused.down(self._ops.silu_mul(fused.gate_up(hidden)))
         gate, up = fused.gate_up.split(fused.gate_up(hidden))
         return fused.down(mlp.act_fn(gate) * up)
 

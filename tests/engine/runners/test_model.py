@@ -51,3 +51,53 @@ def test_paged_attention_matches_transformers_forward(tiny_gptq: Any) -> None:
     for i, x in enumerate(ours):
         assert int(x[0].argmax()) == int(theirs[i].argmax())
         assert torch.allclose(x[0], theirs[i], atol=0.05 * float(theirs[i].std()))
+
+
+def fused_kernels() -> list[str]:
+    from predictor.engine.runners import native
+    from predictor.engine.runners.int4_linear import prepack_available
+
+    names = ["auto", "int4_op"] + (["prepacked_bf16"] if prepack_available() else [])
+    for isa in native.usable_isas():  # every instruction set this CPU runs, AVX2 included
+        names += [f"native_f32_{isa}", f"native_i8_{isa}"]
+    return names
+
+
+def test_every_kernel_gives_the_reference_greedy_tokens(tiny_gptq: Any) -> None:
+    """The reference path: torch's int4 op and torch's ops for attention, norms and rotary."""
+    model = tiny_gptq.model
+    reference = ModelRunner(model, torch.device("cpu"), 64, 16, attention="torch", kernel="int4_op")
+    rng = random.Random(8)
+    prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 21, 40)]
+    expected = step_logits(reference, prompts, 8)
+    for kernel in fused_kernels():
+        runner = ModelRunner(model, torch.device("cpu"), 64, 16, kernel=kernel)
+        assert runner._ops is not None  # native attention and layer ops on this CPU
+        got = step_logits(runner, prompts, 8)
+        for x, y in zip(got, expected, strict=True):
+            assert torch.equal(x.argmax(dim=-1), y.argmax(dim=-1)), kernel
+            assert torch.allclose(x, y, atol=0.08 * float(y.std())), kernel
+
+
+def test_a_kernel_that_cannot_run_is_refused_at_start(
+    tiny_gptq: Any, tiny_dense: Any, monkeypatch: Any
+) -> None:
+    import pytest
+
+    from predictor.engine.runners import native
+
+    with pytest.raises(ValueError, match="kernel must be auto or one of"):
+        ModelRunner(tiny_gptq.model, torch.device("cpu"), 64, 16, kernel="fastest")
+    with pytest.raises(ValueError, match="needs fused int4 layers"):
+        ModelRunner(tiny_dense.model, torch.device("cpu"), 64, 16, kernel="native_f32")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_INT4", {})
+    with pytest.raises(ValueError, match="unavailable"):
+        ModelRunner(tiny_gptq.model, torch.device("cpu"), 64, 16, kernel="native_i8")
+    # auto without a compiler: torch's kernels only, the same tokens
+    runner = ModelRunner(tiny_gptq.model, torch.device("cpu"), 64, 16, attention="torch")
+    logits = runner.forward([StepRow([0], 0, [5, 6, 7], True)])
+    assert runner.choices is not None
+    kernels = {k for plan in runner.choices.plans.values() for _, k in plan}
+    assert not any(k.startswith("native_") for k in kernels)
+    assert torch.isfinite(logits).all()

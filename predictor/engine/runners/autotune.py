@@ -1,0 +1,289 @@
+"""Which kernel runs each matmul, per row-count bucket, measured on this machine at start.
+
+The fastest kernel for a fused int4 projection (int4_linear.py) or for lm_head depends on
+the CPU (AVX2 or AVX-512, VNNI, whether oneDNN's bf16 path accepts it), the thread count and the
+rows a step feeds: a 1-row step reads every weight once and little else, a 16-row step or a
+prompt chunk is bound by arithmetic. So nothing here is a constant: every candidate is timed on
+the model's own weights (all layers of a shape at few rows, where a step is bound by reading
+them and cache residency matters; a few layers at many rows) at the first row count of each
+bucket, and the fastest serves the bucket. A pass over all buckets takes a few seconds; its
+choices are cached on disk, keyed by the CPU model and flags, torch's version, the threads, the
+model's shapes, the candidates and the C kernel's source, so a restart on the same machine reads
+them back and a different machine (or torch, or model) measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from predictor.engine.runners import native
+from predictor.engine.runners.int4_linear import Int4Linear, Kernel, head_candidates
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
+VERSION = 2  # of the cache file's contents and the choosing rule
+ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
+FEW_LAYERS = 4  # past it, this many
+REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
+# Kernels that hold a copy of the weights besides the 4-bit ones (a bf16 expansion: 4x the
+# int4 bytes; lm_head's fp32 copy) win a bucket only this much faster than the best kernel
+# without one: a policy on memory, not a speed measured anywhere.
+COPIES = frozenset({"prepacked_bf16", "fp32"})
+COPY_MARGIN = 1.15
+
+
+@dataclass
+class Choices:
+    """Per matmul ("qkv 960x576/32 x30", "lm_head 49152x576"): the kernel of each bucket, and
+    what each candidate measured (ms a pass over the layers timed)."""
+
+    plans: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    figures: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    source: str = "measured"  # or "cache <file>", or "forced"
+
+
+def cpu_identity() -> dict[str, Any]:
+    return {
+        "cpu": native.cpu_model(),
+        "flags": sorted(native.cpu_flags()),
+        "torch": torch.__version__,
+    }
+
+
+def _groups(linears: Sequence[Int4Linear], names: Sequence[str]) -> dict[str, list[Int4Linear]]:
+    grouped: dict[str, list[Int4Linear]] = {}
+    for layer, name in zip(linears, names, strict=True):
+        n, k, g = layer.shape
+        grouped.setdefault(f"{name} {n}x{k}/{g}", []).append(layer)
+    return {f"{key} x{len(group)}": group for key, group in grouped.items()}
+
+
+def cache_key(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _source_digest() -> str:
+    return hashlib.sha256(native.INT4_SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def tune(
+    linears: Sequence[Int4Linear],
+    names: Sequence[str],
+    head: Any,
+    threads: int,
+    cache_dir: Path | None,
+    forced: str = "auto",
+) -> tuple[Choices, Kernel]:
+    """Choose and install a plan on every layer of `linears` (named by kind: qkv, o, ...), and
+    the lm_head kernel; returns the choices and the head's per-bucket dispatcher. `forced`: a
+    fused kernel name every projection uses at every row count (only lm_head is measured)."""
+    groups = _groups(linears, names)
+    heads = head_candidates(head)
+    weight = getattr(head, "weight", None)
+    head_name = "lm_head " + ("x".join(str(d) for d in weight.shape) if weight is not None else "?")
+    identity = {
+        "version": VERSION,
+        **cpu_identity(),
+        "threads": threads,
+        "forced": forced,
+        "groups": {key: group[0].candidates() for key, group in groups.items()},
+        "head": [head_name, str(getattr(weight, "dtype", "")), sorted(heads)],
+        "source": _source_digest(),
+    }
+    key = cache_key(identity)
+    cached = _read_cache(cache_dir, key, identity)
+    if cached is not None:
+        choices = cached
+    else:
+        choices = _measure(groups, heads, head_name, forced)
+        _write_cache(cache_dir, key, identity, choices)
+    for name, group in groups.items():
+        for layer in group:
+            layer.use(choices.plans[name])
+    built = {name: make() for name, make in heads.items() if _chosen(choices, head_name, name)}
+    return choices, _dispatch([(rows, built[name]) for rows, name in choices.plans[head_name]])
+
+
+def _chosen(choices: Choices, key: str, name: str) -> bool:
+    return any(n == name for _, n in choices.plans[key])
+
+
+def _dispatch(plan: list[tuple[int, Kernel]]) -> Kernel:
+    if len({id(k) for _, k in plan}) == 1:
+        return plan[0][1]
+    lows = [rows for rows, _ in plan]
+    kernels = [kernel for _, kernel in plan]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        index = sum(1 for low in lows if low <= rows) - 1
+        return kernels[max(index, 0)](x)
+
+    return run
+
+
+def _measure(
+    groups: dict[str, list[Int4Linear]],
+    heads: dict[str, Callable[[], Kernel]],
+    head_name: str,
+    forced: str,
+) -> Choices:
+    choices = Choices(source="forced" if forced != "auto" else "measured")
+    started = time.perf_counter()
+    generator = torch.Generator().manual_seed(0)
+    for key, group in groups.items():
+        if forced != "auto":
+            group[0].kernel(forced)  # raises here, naming why, if it cannot run
+            choices.plans[key] = [(1, forced)]
+            continue
+        candidates = []
+        for name in group[0].candidates():
+            try:
+                group[0].kernel(name)
+                candidates.append(name)
+            except (ValueError, native.NativeUnavailable) as error:
+                logger.info("autotune: %s unavailable for %s: %s", name, key, error)
+        kernels = {name: [layer.kernel(name) for layer in group] for name in candidates}
+        k = group[0].in_features
+        choices.plans[key], choices.figures[key] = _buckets(kernels, k, generator)
+        for layer in group:  # only the winners stay built
+            layer.use(choices.plans[key])
+    built: dict[str, list[Kernel]] = {}
+    for name, make in heads.items():
+        try:
+            built[name] = [make()]
+        except ValueError as error:
+            logger.info("autotune: lm_head %s unavailable: %s", name, error)
+    width = int(next(iter(groups.values()))[0].in_features) if groups else 0
+    weight_width = _head_width(heads)
+    choices.plans[head_name], choices.figures[head_name] = _buckets(
+        built, weight_width or width, generator
+    )
+    logger.info("autotune: %.1f s", time.perf_counter() - started)
+    return choices
+
+
+def _head_width(heads: dict[str, Callable[[], Kernel]]) -> int:
+    module = heads["module"]()
+    weight = getattr(module, "weight", None)
+    return int(weight.shape[1]) if weight is not None else 0
+
+
+def _buckets(
+    kernels: dict[str, list[Kernel]], k: int, generator: torch.Generator
+) -> tuple[list[tuple[int, str]], dict[str, dict[str, float]]]:
+    """The fastest of `kernels` (each a list: one per layer) at each bucket's first row count."""
+    plan: list[tuple[int, str]] = []
+    figures: dict[str, dict[str, float]] = {}
+    if len(kernels) == 1:  # nothing to choose
+        return [(1, next(iter(kernels)))], figures
+    for rows in BUCKETS:
+        x = (torch.randn((rows, k), generator=generator) * 0.5).to(torch.bfloat16)
+        timed = {name: _time(layers, x) for name, layers in kernels.items()}
+        figures[str(rows)] = {name: round(seconds * 1e3, 4) for name, seconds in timed.items()}
+        best = min(timed, key=lambda name: timed[name])
+        lean = [name for name in timed if name not in COPIES]
+        if best in COPIES and lean:
+            runner_up = min(lean, key=lambda name: timed[name])
+            if timed[runner_up] < timed[best] * COPY_MARGIN:
+                best = runner_up
+        if not plan or plan[-1][1] != best:
+            plan.append((rows, best))
+    return plan, figures
+
+
+@torch.inference_mode()
+def _time(layers: list[Kernel], x: torch.Tensor) -> float:
+    """Seconds one pass over the layers takes, fastest of REPEATS (after one warm pass)."""
+    use = layers if x.shape[0] <= ALL_LAYERS_UP_TO else layers[:FEW_LAYERS]
+    for layer in use:
+        layer(x)
+    best = float("inf")
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for layer in use:
+            layer(x)
+        best = min(best, time.perf_counter() - start)
+    return best * len(layers) / len(use)
+
+
+def log_choices(choices: Choices, threads: int) -> None:
+    """The CPU, its flags and every choice, for the server log."""
+    identity = cpu_identity()
+    flags = " ".join(native.relevant_flags(frozenset(identity["flags"])))
+    logger.info(
+        "kernels for CPU %s, %d threads, torch %s; flags: %s",
+        identity["cpu"], threads, identity["torch"], flags,
+    )  # fmt: skip
+    for name, plan in choices.plans.items():
+        spans = []
+        for index, (rows, kernel) in enumerate(plan):
+            end = plan[index + 1][0] - 1 if index + 1 < len(plan) else None
+            span = f"{rows}+" if end is None else (f"{rows}" if end == rows else f"{rows}-{end}")
+            spans.append(f"{span} rows {kernel}")
+        logger.info("kernel (%s) %s: %s", choices.source, name, ", ".join(spans))
+        for count, timed in choices.figures.get(name, {}).items():
+            ranked = sorted(timed.items(), key=lambda item: item[1])
+            figures = ", ".join(f"{kernel} {ms:.3f}" for kernel, ms in ranked)
+            logger.info("autotune %s at %s rows (ms a pass): %s", name, count, figures)
+
+
+def _cache_file(cache_dir: Path, key: str) -> Path:
+    return cache_dir / f"autotune-{key[:24]}.json"
+
+
+def _read_cache(cache_dir: Path | None, key: str, identity: dict[str, Any]) -> Choices | None:
+    if cache_dir is None:
+        return None
+    path = _cache_file(cache_dir, key)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("identity") != json.loads(json.dumps(identity)):
+            raise ValueError("made for another machine, torch or model")
+        plans = {
+            name: [(int(rows), str(kernel)) for rows, kernel in plan]
+            for name, plan in data["plans"].items()
+        }
+        wanted = set(identity["groups"]) | {identity["head"][0]}
+        if set(plans) != wanted or any(not plan or plan[0][0] != 1 for plan in plans.values()):
+            raise ValueError("its plans do not cover this model")
+        for name, plan in plans.items():
+            allowed = identity["groups"].get(name) or identity["head"][2]
+            if name in identity["groups"] and identity["forced"] != "auto":
+                allowed = [identity["forced"]]
+            if any(kernel not in allowed for _, kernel in plan):
+                raise ValueError(f"{name} names a kernel not available here")
+        return Choices(plans, data.get("figures", {}), source=f"cache {path}")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        logger.info("autotune cache %s not used (%s): measuring again", path, error)
+        return None
+
+
+def _write_cache(
+    cache_dir: Path | None, key: str, identity: dict[str, Any], choices: Choices
+) -> None:
+    if cache_dir is None:
+        return
+    path = _cache_file(cache_dir, key)
+    data = {"identity": identity, "plans": choices.plans, "figures": choices.figures}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)  # whole or not at all, even with two servers starting at once
+    except OSError as error:
+        logger.warning("autotune cache %s not written: %s", path, error)

@@ -1,0 +1,111 @@
+/* A decoder layer's small ops for the CPU runner (engine/native.py), bf16 storage, fp32 math.
+ *
+ * At a few rows a step is mostly dispatch: torch's bf16 rms_norm is ~10 ops (22 us at 1 row of
+ * 576, measured), the rotary pass and the cache write 6 more, SwiGLU 3; 30 layers each. Here each
+ * is one call of a few microseconds, rounding to bf16 once where torch rounds after each op.
+ * DIM (head_dim) is a -D constant so the compiler unrolls and vectorises the head loops.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#ifndef DIM
+#error "compile with -DDIM=<head_dim>"
+#endif
+
+static inline float from_bf16(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)x) << 16;
+    return v.f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* exp(x), relative error ~2e-7 on [-87, 88] (clamped outside) */
+static inline float exp_approx(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = __builtin_roundf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* hidden [rows][dim] += delta (when not NULL), rounded to bf16 in place; then
+   out = hidden * rsqrt(mean(hidden^2) + eps) * weight. */
+void add_rms_norm(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight, float eps,
+                  uint16_t *out, int64_t rows, int64_t dim) {
+    float row[dim];
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *h = hidden + r * dim;
+        float sum = 0.0f;
+        if (delta) {
+            const uint16_t *d = delta + r * dim;
+            for (int64_t i = 0; i < dim; i++) {
+                h[i] = to_bf16(from_bf16(h[i]) + from_bf16(d[i]));
+                row[i] = from_bf16(h[i]);
+            }
+        } else {
+            for (int64_t i = 0; i < dim; i++) row[i] = from_bf16(h[i]);
+        }
+        for (int64_t i = 0; i < dim; i++) sum += row[i] * row[i];
+        const float inverse = 1.0f / sqrtf(sum / (float)dim + eps);
+        uint16_t *o = out + r * dim;
+        for (int64_t i = 0; i < dim; i++) o[i] = to_bf16(row[i] * inverse * from_bf16(weight[i]));
+    }
+}
+
+/* qkv [n][heads + 2 kv_heads][DIM]: q and k rotated in place (x * cos + rotate_half(x) * sin,
+   cos and sin [n][DIM], as transformers' Llama), then token t's keys and values written to
+   slot slots_of[t] of pool [2 kv_heads][slots][DIM] (keys of every kv head, then values). */
+void rope_write(uint16_t *qkv, int64_t n, int64_t heads, int64_t kv_heads, const uint16_t *cos,
+                const uint16_t *sin, uint16_t *pool, int64_t slots, const int64_t *slots_of) {
+    const int64_t width = heads + 2 * kv_heads, half = DIM / 2;
+    for (int64_t t = 0; t < n; t++) {
+        float c[DIM], s[DIM];
+        for (int i = 0; i < DIM; i++) {
+            c[i] = from_bf16(cos[t * DIM + i]);
+            s[i] = from_bf16(sin[t * DIM + i]);
+        }
+        for (int64_t h = 0; h < heads + kv_heads; h++) {
+            uint16_t *x = qkv + (t * width + h) * DIM;
+            float y[DIM];
+            for (int i = 0; i < half; i++) {
+                const float x1 = from_bf16(x[i]), x2 = from_bf16(x[i + half]);
+                y[i] = x1 * c[i] - x2 * s[i];
+                y[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+            for (int i = 0; i < DIM; i++) x[i] = to_bf16(y[i]);
+        }
+        for (int64_t h = 0; h < 2 * kv_heads; h++) {
+            const uint16_t *src = qkv + (t * width + heads + h) * DIM;
+            uint16_t *dst = pool + (h * slots + slots_of[t]) * DIM;
+            for (int i = 0; i < DIM; i++) dst[i] = src[i];
+        }
+    }
+}
+
+/* out [n][inner] = silu(gate) * up, gate_up [n][2 inner]: gate columns first, then up */
+void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out) {
+    for (int64_t t = 0; t < n; t++) {
+        const uint16_t *g = gate_up + t * 2 * inner, *u = g + inner;
+        uint16_t *o = out + t * inner;
+        for (int64_t i = 0; i < inner; i++) {
+            const float x = from_bf16(g[i]);
+            o[i] = to_bf16(x / (1.0f + exp_approx(-x)) * from_bf16(u[i]));
+        }
+    }
+}

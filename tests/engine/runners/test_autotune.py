@@ -1,0 +1,120 @@
+"""engine/runners/autotune.py on the tiny GPTQ model: plans per bucket, the disk cache keyed by CPU,
+torch and shapes, invalidated when any of them (or the file) is off, forced kernels, the log."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from predictor.engine.runners import autotune, native
+from predictor.engine.runners.int4_linear import FusedLayer, Int4Linear, fuse_layer, resolve_kernel
+
+
+def layers(tiny_gptq: Any) -> tuple[list[Int4Linear], list[str]]:
+    found, names = [], []
+    for layer in tiny_gptq.model.model.layers:
+        fused = fuse_layer(layer)
+        assert fused is not None
+        for kind in FusedLayer.KINDS:
+            found.append(getattr(fused, kind))
+            names.append(kind)
+    return found, names
+
+
+def tune(tiny_gptq: Any, cache: Path | None, forced: str = "auto") -> autotune.Choices:
+    linears, names = layers(tiny_gptq)
+    choices, head = autotune.tune(linears, names, tiny_gptq.model.lm_head, 1, cache, forced)
+    x = torch.randn((3, linears[0].in_features)).bfloat16()
+    assert head(x).shape == (3, tiny_gptq.model.lm_head.weight.shape[0])
+    for layer, kind in zip(linears, names, strict=True):  # every layer runs its plan
+        (key,) = [k for k in choices.plans if k.startswith(f"{kind} ")]
+        wanted = [(rows, resolve_kernel(name)) for rows, name in choices.plans[key]]
+        assert layer.plan == wanted
+    return choices
+
+
+def test_plans_cover_every_bucket_and_are_cached(tiny_gptq: Any, tmp_path: Path) -> None:
+    choices = tune(tiny_gptq, tmp_path)
+    assert choices.source == "measured"
+    kinds = {name.split()[0] for name in choices.plans}
+    assert kinds == {"qkv", "o", "gate_up", "down", "lm_head"}
+    for name, plan in choices.plans.items():
+        assert plan[0][0] == 1 and [r for r, _ in plan] == sorted({r for r, _ in plan})
+        assert {r for r, _ in plan} <= set(autotune.BUCKETS)
+        if not name.startswith("lm_head"):  # every candidate timed at every bucket
+            assert set(choices.figures[name]) == {str(b) for b in autotune.BUCKETS}
+    files = list(tmp_path.glob("autotune-*.json"))
+    assert len(files) == 1
+    again = tune(tiny_gptq, tmp_path)  # read back, not measured
+    assert again.source.startswith("cache ") and again.plans == choices.plans
+
+
+def test_the_cache_is_keyed_by_cpu_torch_and_shapes(
+    tiny_gptq: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tune(tiny_gptq, tmp_path)
+    real = autotune.cpu_identity()
+    for change in ({"flags": ["avx2", "fma"]}, {"torch": "0.0.0"}, {"cpu": "Other CPU"}):
+        monkeypatch.setattr(autotune, "cpu_identity", lambda c=change: {**real, **c})
+        assert tune(tiny_gptq, tmp_path).source == "measured"
+    monkeypatch.setattr(autotune, "cpu_identity", lambda: real)
+    assert tune(tiny_gptq, tmp_path).source.startswith("cache ")
+    assert len(list(tmp_path.glob("autotune-*.json"))) == 4
+    base = {"threads": 1, "groups": {"o 64x64/64 x2": ["int4_op"]}}
+    assert autotune.cache_key(base) != autotune.cache_key({**base, "threads": 2})
+    other = {**base, "groups": {"o 128x64/64 x2": ["int4_op"]}}
+    assert autotune.cache_key(base) != autotune.cache_key(other)
+
+
+def test_a_bad_or_stale_cache_file_is_measured_again(tiny_gptq: Any, tmp_path: Path) -> None:
+    tune(tiny_gptq, tmp_path)
+    (path,) = tmp_path.glob("autotune-*.json")
+    path.write_text("{not json")
+    assert tune(tiny_gptq, tmp_path).source == "measured"
+    data = json.loads(path.read_text())
+    first = next(iter(data["plans"]))
+    data["plans"][first] = [[1, "native_f32_neon"]]  # a kernel this machine does not have
+    path.write_text(json.dumps(data))
+    assert tune(tiny_gptq, tmp_path).source == "measured"
+    data = json.loads(path.read_text())
+    data["identity"]["source"] = "another kernel source"
+    path.write_text(json.dumps(data))
+    assert tune(tiny_gptq, tmp_path).source == "measured"
+
+
+def test_an_unwritable_cache_folder_still_tunes(tiny_gptq: Any, tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert tune(tiny_gptq, blocker / "cache").source == "measured"
+
+
+def test_a_forced_kernel_serves_every_row_count(tiny_gptq: Any) -> None:
+    choices = tune(tiny_gptq, None, "int4_op")
+    assert choices.source == "forced"
+    for name, plan in choices.plans.items():
+        if not name.startswith("lm_head"):
+            assert plan == [(1, "int4_op")]
+    if native.usable_isas():
+        choices = tune(tiny_gptq, None, "native_i8")
+        assert all(
+            plan == [(1, "native_i8")] for n, plan in choices.plans.items() if n[:7] != "lm_head"
+        )
+
+
+def test_the_log_names_the_cpu_its_flags_and_each_choice(
+    tiny_gptq: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    choices = tune(tiny_gptq, None)
+    with caplog.at_level(logging.INFO, logger="predictor.engine.runners.autotune"):
+        autotune.log_choices(choices, 1)
+    text = caplog.text
+    assert f"kernels for CPU {native.cpu_model()}, 1 threads" in text
+    for flag in native.relevant_flags():
+        assert flag in text
+    for name in choices.plans:
+        assert f"{name}: 1" in text
