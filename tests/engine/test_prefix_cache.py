@@ -242,3 +242,37 @@ def test_max_tokens_4096_does_not_hold_the_cache() -> None:
     assert len(loop.batch) == 32 and loop.scheduler.waiting() == 0
     assert all(len(seq.output_ids) == 50 for seq in seqs)
     assert allocator.used == 32 * 7  # 110 tokens each: 7 blocks, of 2048
+
+
+def test_hits_on_the_native_path_give_the_cold_tokens(tiny_gptq: Any) -> None:
+    """The bf16 GPTQ model with the native attention kernel, layer ops and the native 4-bit
+    matmul (what a CPU server runs): shared-prefix prompts with caching on give the tokens of the
+    same prompts with caching off."""
+    from predictor.engine.runners.model import ModelRunner
+
+    tokenizer = tiny_gptq.tokenizer
+    rng = random.Random(9)
+    doc = [rng.randrange(100, len(tokenizer)) for _ in range(37)]
+    prompts = [doc + [rng.randrange(100, len(tokenizer)) for _ in range(k)] for k in (3, 9, 1)]
+
+    def run(caching: bool) -> tuple[list[list[int]], list[int]]:
+        runner = ModelRunner(
+            tiny_gptq.model, torch.device("cpu"), 64, 4, threads=1, attention="native",
+            kernel="native_f32",
+        )  # fmt: skip
+        assert runner._native is not None
+        loop = new_loop(runner, NO_EOS, max_batch_size=4, max_step_tokens=16)
+        loop.prefix_caching = caching
+        sinks, seqs, arrivals = [], [], {}
+        for i, p in enumerate(prompts):
+            seq, sink = make_sequence(tokenizer, p, SamplingParams(max_tokens=6), f"n{i}")
+            arrivals[i * 12] = [seq]
+            sinks.append(sink)
+            seqs.append(seq)
+        audited(loop, arrivals, sinks)
+        return [s.token_ids for s in sinks], [s.cached_prompt_tokens for s in seqs]
+
+    cold, none = run(caching=False)
+    warm, cached = run(caching=True)
+    assert none == [0, 0, 0] and cached[0] == 0 and min(cached[1:]) >= 36
+    assert warm == cold
