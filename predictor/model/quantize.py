@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from predictor.model import internals
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, evaluate, format_report
 from predictor.model.progress import Progress, format_duration
@@ -154,7 +155,7 @@ def quantize_checkpoint(
     model = GPTQModel.load(str(source), config)
     if progress is not None:
         progress.phase("layer", int(model.model.config.num_hidden_layers))
-        model.subset_callback = progress  # gptqmodel calls its subset_event(stage=..., ...)
+        internals.set_subset_callback(model, progress)  # its subset_event(stage=..., ...)
     with vectorised_scale_search():
         model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))

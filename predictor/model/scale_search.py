@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from predictor.model import internals
+
 # Candidates x rows x columns per chunk: each temporary (1 MiB fp32) stays in a core's L2 cache;
 # 4x faster than one [80, rows, 32] tensor, 2.2x faster than gptqmodel's loop (Zen 5, 1 thread).
 CHUNK_ELEMENTS = 1 << 18
@@ -34,9 +36,8 @@ CHUNK_ELEMENTS = 1 << 18
 @contextlib.contextmanager
 def vectorised_scale_search() -> Iterator[None]:
     """Within the block, gptqmodel's Quantizer.find_params is the vectorised search."""
-    from gptqmodel.quantization.quantizer import Quantizer
-
-    original = Quantizer.find_params
+    quantizer = internals.quantizer_class()
+    original = quantizer.find_params
 
     def find_params(self: Any, x: torch.Tensor, weight: bool = False) -> None:
         if not _covered(self, x, weight):
@@ -44,11 +45,11 @@ def vectorised_scale_search() -> Iterator[None]:
             return
         _find_params(self, x, search=not _unused_whole_matrix_call(self, x))
 
-    Quantizer.find_params = find_params
+    quantizer.find_params = find_params
     try:
         yield
     finally:
-        Quantizer.find_params = original
+        quantizer.find_params = original
 
 
 def _covered(quantizer: Any, x: torch.Tensor, weight: bool) -> bool:
@@ -59,7 +60,7 @@ def _covered(quantizer: Any, x: torch.Tensor, weight: bool) -> bool:
         and bool(getattr(quantizer, "perchannel", False))
         and maxq > 0
         and not quantizer.requires_groupwise_processing()
-        and not quantizer._search_adjacent_zero_points()
+        and not internals.searches_adjacent_zero_points(quantizer)
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from predictor.engine.runners import native
+from predictor.engine.runners import internals, native
 
 INT4_OP, PREPACKED = "int4_op", "prepacked_bf16"
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # [N, K] bf16 -> [N, out] bf16
@@ -123,15 +123,13 @@ class Int4Linear(torch.nn.Module):
     def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
         if not self.qweight.numel():
             raise RuntimeError("the int4pack weights were dropped: plan the int4 op to use it")
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x, self.qweight, self.group_size, self.scales_and_zeros
-        )
+        return internals.int4pack_mm(x, self.qweight, self.group_size, self.scales_and_zeros)
 
     def _prepacked(self) -> Kernel:
         weight = _prepack(self.qweight, self.scales_and_zeros, self.group_size, self.in_features)
         if weight is None:
             raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
+        return lambda x: internals.onednn_linear(x, weight)
 
     def _native(self, name: str) -> Kernel:
         _, act, isa = name.split("_", 2)
@@ -183,7 +181,7 @@ def _int4pack_positions(n: int, k: int) -> torch.Tensor:
     positions = torch.zeros(n * k, dtype=torch.int64)
     for shift in range(0, max(1, (n * k - 1).bit_length()), 4):
         digits = ((index >> shift) & 15).to(torch.int32).view(n, k)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digits, 1)
+        packed = internals.convert_to_int4pack(digits)
         positions |= _nibbles(packed).long() << shift
     return positions
 
@@ -233,14 +231,12 @@ def _prepack(
     qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int
 ) -> torch.Tensor | None:
     """The int4 weights as a oneDNN-prepacked bf16 matrix, or None where torch lacks it."""
-    if not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    if not internals.onednn_prepack_available():
         return None
     try:
         eye = torch.eye(in_features, dtype=torch.bfloat16, device=qweight.device)
         # [K, N]: row k is what input k contributes, i.e. the dequantized weights, exactly
-        dense = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            eye, qweight, group_size, scales_and_zeros
-        )
+        dense = internals.int4pack_mm(eye, qweight, group_size, scales_and_zeros)
     except Exception:  # this build cannot: the int4 op serves
         return None
     return _reorder(dense.t())
@@ -270,7 +266,7 @@ def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
         packed = _reorder(weight.detach())
         if packed is None:
             raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
-        return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return lambda x: internals.onednn_linear(x, packed)
 
     found["fp32"] = fp32
     if prepack_available():
@@ -280,13 +276,12 @@ def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
     """A bf16 [N, K] weight prepacked for oneDNN's linear, or None where this torch lacks it."""
-    mkldnn = torch.ops.mkldnn
-    if not (hasattr(mkldnn, "_reorder_linear_weight") and hasattr(mkldnn, "_linear_pointwise")):
+    if not internals.onednn_prepack_available():
         return None
     try:
-        prepacked: torch.Tensor = mkldnn._reorder_linear_weight(weight.contiguous(), 16)
+        prepacked = internals.onednn_reorder(weight.contiguous(), 16)
         probe = torch.ones((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-        mkldnn._linear_pointwise(probe, prepacked, None, "none", [], "")
+        internals.onednn_linear(probe, prepacked)
         return prepacked
     except Exception:  # this build cannot: the caller keeps its own matmul
         return None

@@ -1,0 +1,55 @@
+"""Contract tests: one per item of predictor/engine/runners/internals.py, calling each private
+torch op as the runners do, so a torch upgrade that changes one fails here, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from predictor.engine.runners import internals
+
+
+def int4_weights(n: int = 32, k: int = 64, group: int = 32) -> tuple[torch.Tensor, ...]:
+    """Codes, their int4pack packing, scales-and-zeros and the fp32 weights they stand for."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scales = torch.rand(k // group, n) * 0.1 + 0.01
+    zeros = torch.randn(k // group, n) * 0.1
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16)
+    # int4pack's dequantization: (code - 8) * scale + zero, per group of inputs
+    s = scales_and_zeros[..., 0].float().repeat_interleave(group, 0).t()
+    z = scales_and_zeros[..., 1].float().repeat_interleave(group, 0).t()
+    dense = (codes.float() - 8) * s + z
+    return codes, internals.convert_to_int4pack(codes), scales_and_zeros, dense
+
+
+def test_every_item_has_a_contract_test() -> None:
+    names = {n for n in globals() if n.startswith("test_item_")}
+    assert {f"test_item_{i.lower()}" for i in internals.ITEMS} == names
+
+
+def test_item_int4pack_mm() -> None:
+    _, packed, scales_and_zeros, dense = int4_weights()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    out = internals.int4pack_mm(x, packed, 32, scales_and_zeros)
+    assert out.shape == (3, 32) and out.dtype == torch.bfloat16
+    expected = x.float() @ dense.t()
+    assert torch.allclose(out.float(), expected, atol=0.05, rtol=0.02), "INT4PACK_MM changed"
+
+
+def test_item_int4pack_convert() -> None:
+    codes, packed, _, _ = int4_weights()
+    assert packed.dtype == torch.uint8 and packed.numel() * 2 == codes.numel(), "INT4PACK_CONVERT"
+
+
+def test_item_onednn_prepack() -> None:
+    if not internals.onednn_prepack_available():
+        pytest.skip("this torch build has no oneDNN prepacked linear (the runners fall back)")
+    weight = torch.randn(48, 64).to(torch.bfloat16)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    try:
+        prepacked = internals.onednn_reorder(weight, 16)
+    except RuntimeError as exc:  # a CPU oneDNN refuses for bf16 (AVX2 only): the runners skip it
+        pytest.skip(f"oneDNN refuses bf16 prepacking on this CPU: {exc}")
+    out = internals.onednn_linear(x, prepacked)
+    assert torch.allclose(out.float(), x.float() @ weight.float().t(), atol=0.1), "ONEDNN_PREPACK"

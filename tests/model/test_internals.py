@@ -1,0 +1,31 @@
+"""Contract tests: one per item of predictor/model/internals.py (gptqmodel's private APIs)."""
+
+from __future__ import annotations
+
+import inspect
+
+from predictor.model import internals
+
+
+def test_every_item_has_a_contract_test() -> None:
+    names = {n for n in globals() if n.startswith("test_item_")}
+    assert {f"test_item_{i.lower()}" for i in internals.ITEMS} == names
+
+
+def test_item_quantizer_find_params() -> None:
+    quantizer = internals.quantizer_class()
+    parameters = list(inspect.signature(quantizer.find_params).parameters)
+    assert parameters[:3] == ["self", "x", "weight"], "QUANTIZER_FIND_PARAMS: signature changed"
+    for name in ("requires_groupwise_processing", "_search_adjacent_zero_points"):
+        assert callable(getattr(quantizer, name, None)), f"QUANTIZER_FIND_PARAMS: no {name}"
+    # the search's results against gptqmodel's own loop: tests/model/test_scale_search.py
+
+
+def test_item_subset_callback() -> None:
+    from gptqmodel.looper import module_looper
+
+    source = inspect.getsource(module_looper)
+    assert 'getattr(self.gptq_model, "subset_callback", None)' in source, "SUBSET_CALLBACK"
+    emit = inspect.getsource(module_looper.ModuleLooper._emit_subset_event)
+    for word in ("subset_event", "stage=", "layer_idx=", "subset_total=", "module_names="):
+        assert word in emit, f"SUBSET_CALLBACK: {word} no longer passed"
