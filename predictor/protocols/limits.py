@@ -7,6 +7,7 @@ the decoders check only what arrives by other ways: JSON inside a string (Triton
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,6 +64,17 @@ def check_string(text: str, where: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidRequest(f"the {where} holds a lone surrogate (invalid Unicode)") from exc
+
+
+def json_text(text: str, max_depth: int, key: str, what: str = "a valid JSON object") -> Any:
+    """A parameter given as JSON in a string (gRPC maps and Triton tensors carry no objects or
+    lists), parsed and checked as the edge checks bodies."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequest(f"parameter '{key}' is not {what}", param=key) from exc
+    check_plain(value, max_depth, where=f"parameter '{key}'")
+    return value
 
 
 def check_id(request_id: Any) -> None:
