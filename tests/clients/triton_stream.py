@@ -30,7 +30,9 @@ def main() -> None:
         model,
         [text_input("Hello")],
         request_id="a",
-        parameters={"max_tokens": 6},
+        # long enough that b, sent right after, joins the batch while a runs (6 tokens were
+        # done before b arrived once the engine got faster)
+        parameters={"max_tokens": 40, "ignore_eos": True},
         enable_empty_final_response=True,
     )
     client.async_stream_infer(
