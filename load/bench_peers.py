@@ -275,7 +275,7 @@ async def measure(
     prefill: bool = True,
 ) -> Measured:
     if args.workload == "shared-prefix":
-        return await measure_shared(base_url, model, args, server)
+        return await measure_shared(base_url, model, args, server, levels)
     api = Api("openai", model, "/v1", ignore_eos=True, unique=args.unique)
     url = api.url(base_url)
     result = Measured(server)
@@ -307,7 +307,11 @@ async def measure(
 
 
 async def measure_shared(
-    base_url: str, model: str, args: argparse.Namespace, server: str
+    base_url: str,
+    model: str,
+    args: argparse.Namespace,
+    server: str,
+    levels: Sequence[int] | None = None,
 ) -> Measured:
     api = Api("openai", model, "/v1", ignore_eos=True)
     result = Measured(server)
@@ -316,8 +320,9 @@ async def measure_shared(
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         await one_stream(client, api, api.url(base_url), "warm up", 8)
         rows = await shared_prefix(
-            client, api, base_url, args.concurrency, args.min_requests, args.max_tokens
-        )
+            client, api, base_url, args.concurrency if levels is None else list(levels),
+            args.min_requests, args.max_tokens,
+        )  # fmt: skip
     for row in rows:
         result.rows[row["c"]] = row
         print(f"[bench-peers] {server} C={row['c']}: TTFT p50 {row['ttft_p50']:.2f} s, "
