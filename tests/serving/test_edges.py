@@ -157,7 +157,8 @@ def model_server() -> Iterator[ServerProcess]:
     jitter."""
     if not DEFAULT_MODEL.is_dir():
         pytest.skip("run `make model` first (make test does)")
-    with ServerProcess.start(DEFAULT_MODEL, MODEL_NAME, extra=["--threads", "1"]) as srv:
+    extra = ["--threads", "1", "--max-tokens-limit", "1000"]
+    with ServerProcess.start(DEFAULT_MODEL, MODEL_NAME, extra=extra) as srv:
         yield srv
 
 
@@ -183,7 +184,7 @@ def test_a_4mib_prompt_does_not_stall_other_streams(model_server: ServerProcess)
     # four streams read in another process: this one's sending cannot skew their clocks
     readers = subprocess.Popen(
         [sys.executable, "-m", "tests.clients.sse_gaps", model_server.base_url, MODEL_NAME,
-         "4", "400"],
+         "4", "900"],  # long enough to outlast the three uploads with the native kernels
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     windows = []
