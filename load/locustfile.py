@@ -36,7 +36,8 @@ LOAD_TOP_K (sent only when set), ``--chat`` LOAD_CHAT (1: apply the chat templat
 ``--grpc-target`` LOAD_GRPC_TARGET (127.0.0.1:8081), ``--prompts`` LOAD_PROMPTS
 (load/prompts.txt: one prompt per line, each request picks one at random),
 ``--openai-prefix`` LOAD_OPENAI_PREFIX (/v1; KServe's is /openai/v1),
-``--request-timeout`` LOAD_REQUEST_TIMEOUT (300 s). The REST host is locust's ``--host``.
+``--request-timeout`` LOAD_REQUEST_TIMEOUT (300 s), ``--exit-grace`` LOAD_EXIT_GRACE (15 s: how
+long exit may stay blocked after the summary). The REST host is locust's ``--host``.
 
     .venv/bin/python -m locust -f load/locustfile.py --host http://127.0.0.1:8080 GenerateStreamUser
 
@@ -48,22 +49,27 @@ from __future__ import annotations
 
 import atexit
 import csv
+import functools
 import itertools
 import json
 import logging
 import os
 import queue
 import random
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
+import gevent
 import grpc.experimental.gevent as grpc_gevent
 import httpx
 import numpy as np
 import tritonclient.grpc as grpcclient
+from gevent import monkey
 from locust import User, constant, events, task
 from locust.env import Environment
 from locust.runners import WorkerRunner
@@ -75,6 +81,8 @@ logging.getLogger("httpx").setLevel(logging.WARNING)  # no log line per request
 
 PROMPTS = Path(__file__).with_name("prompts.txt")
 METRICS = ("TTFT", "TPOT", "TOKENS")
+EXIT_GRACE_S = 15.0  # default of --exit-grace
+STOP_STREAM_S = 5.0  # how long a gRPC user's on_stop may wait for its stream to close
 
 
 class Failure(Exception):
@@ -104,13 +112,38 @@ def _options(parser: Any) -> None:
     group.add_argument("--request-timeout", type=float,
                        default=float(env("LOAD_REQUEST_TIMEOUT", "300")),
                        help="seconds per request (LOAD_REQUEST_TIMEOUT)")  # fmt: skip
+    group.add_argument("--exit-grace", type=float,
+                       default=float(env("LOAD_EXIT_GRACE", str(EXIT_GRACE_S))),
+                       help="seconds exit may block after the run (LOAD_EXIT_GRACE)")  # fmt: skip
 
 
 @events.init.add_listener
-def _final_csv_at_exit(environment: Environment, **_: Any) -> None:
+def _at_exit(environment: Environment, **_: Any) -> None:
     prefix = getattr(environment.parsed_options, "csv_prefix", None)
+    finish: Callable[[], None] = lambda: None  # noqa: E731
     if prefix and not isinstance(environment.runner, WorkerRunner):
-        atexit.register(write_final_csv, environment, prefix)
+        finish = functools.partial(write_final_csv, environment, prefix)
+        atexit.register(finish)
+
+    @environment.events.quit.add_listener
+    def _exit_within_grace(exit_code: int, **_: Any) -> None:
+        """Ends the process --exit-grace s after locust's shutdown if exit is still blocked.
+
+        Under gevent, interpreter exit joins every thread, and a tritonclient stream thread whose
+        cancellation grpc never delivered (grpc issue #27340) keeps the process alive after the
+        summary was printed. The watchdog is a real OS thread: it runs whatever the hub does.
+        """
+        grace = float(getattr(environment.parsed_options, "exit_grace", EXIT_GRACE_S))
+        monkey.get_original("_thread", "start_new_thread")(_watchdog, (grace, exit_code, finish))
+
+
+def _watchdog(grace: float, exit_code: int, finish: Callable[[], None]) -> None:
+    monkey.get_original("time", "sleep")(grace)
+    sys.stderr.write(f"locust: exit still blocked {grace:g} s after shutdown; leaving\n")
+    finish()
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(exit_code)
 
 
 def write_final_csv(environment: Environment, prefix: str) -> None:
@@ -389,8 +422,11 @@ class GrpcStreamUser(PredictorUser):
         self.client.start_stream(callback=self._arrived)
 
     def on_stop(self) -> None:
-        self.client.stop_stream(cancel_requests=True)
-        self.client.close()
+        # Bounded: a cancellation grpc never delivers would block the join of the stream's
+        # thread here forever (the exit watchdog covers that thread at exit).
+        with gevent.Timeout(STOP_STREAM_S, False):
+            self.client.stop_stream(cancel_requests=True)
+            self.client.close()
 
     def _arrived(self, result: Any, error: Any) -> None:
         self.responses.put((time.perf_counter(), result, error))

@@ -111,3 +111,45 @@ def test_summarise_writes_table_csv_and_plot(runs: dict, which: str) -> None:
     # every TOKENS entry is 8 tokens; the rate is over locust's window (its Requests/s column)
     rates = [float(r["Requests/s"]) for key, r in runs[which]["rows"].items() if key[0] == "TOKENS"]
     assert math.isclose(float(row["output_tokens_per_s"]), 8 * sum(rates), rel_tol=1e-4)
+
+
+BLOCKED_EXIT = '''
+import sys, time
+sys.path.insert(0, {load!r})
+from locustfile import *  # noqa: F403 - its listeners, the exit watchdog among them
+from gevent import monkey
+from locust import User, constant, events, task
+
+
+class CountingUser(User):
+    wait_time = constant(0.5)
+
+    @task
+    def tick(self) -> None:
+        self.environment.events.request.fire(request_type="X", name="tick", response_time=1,
+                                             response_length=0, exception=None, context={{}})
+
+
+@events.init.add_listener
+def _block_exit(environment, **_):
+    @environment.events.quit.add_listener  # after the watchdog's listener
+    def _stuck(**_):
+        monkey.get_original("time", "sleep")(3600)  # a C-level block, as grpc's can be
+'''
+
+
+def test_a_blocked_exit_ends_after_the_grace_with_the_final_csv(tmp_path: Path) -> None:
+    """The locustfile's watchdog ends a process whose exit is stuck after the summary (as a
+    tritonclient stream thread under gevent can leave it), and writes the final CSV first."""
+    locustfile = tmp_path / "blocked.py"
+    locustfile.write_text(BLOCKED_EXIT.format(load=str(REPO / "load")))
+    command = [
+        sys.executable, "-m", "locust", "-f", str(locustfile), "--headless", "-u", "1", "-r", "1",
+        "-t", "2s", "--csv", str(tmp_path / "b"), "--only-summary", "--exit-grace", "1",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "exit still blocked 1 s after shutdown" in done.stderr
+    with (tmp_path / "b_stats.csv").open(newline="") as handle:
+        rows = {r["Name"]: r for r in csv.DictReader(handle)}
+    assert int(rows["tick"]["Request Count"]) >= 2
