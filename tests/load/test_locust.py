@@ -113,7 +113,7 @@ def test_summarise_writes_table_csv_and_plot(runs: dict, which: str) -> None:
     assert math.isclose(float(row["output_tokens_per_s"]), 8 * sum(rates), rel_tol=1e-4)
 
 
-BLOCKED_EXIT = '''
+BLOCKED_EXIT = """
 import sys, time
 sys.path.insert(0, {load!r})
 from locustfile import *  # noqa: F403 - its listeners, the exit watchdog among them
@@ -135,7 +135,7 @@ def _block_exit(environment, **_):
     @environment.events.quit.add_listener  # after the watchdog's listener
     def _stuck(**_):
         monkey.get_original("time", "sleep")(3600)  # a C-level block, as grpc's can be
-'''
+"""
 
 
 def test_a_blocked_exit_ends_after_the_grace_with_the_final_csv(tmp_path: Path) -> None:
