@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class FinishReason(StrEnum):
@@ -20,9 +21,10 @@ class Grammar:
     """A constraint on the generated text, as the request gave it (the engine compiles it).
 
     kind: "json_schema" (text: the schema's JSON), "json_object" (any JSON object; text ""),
-    "regex" (text: the pattern), "choice" (text: a JSON list of the allowed strings) or "ebnf"
-    (text: an EBNF grammar, xgrammar's / GBNF dialect, rule `root`). `param` names the request key
-    it came from, for the 400 when the engine cannot enforce it.
+    "regex" (text: the pattern), "choice" (text: a JSON list of the allowed strings), "ebnf"
+    (text: an EBNF grammar, xgrammar's / GBNF dialect, rule `root`) or "structural_tag" (text:
+    an xgrammar structural tag's JSON; the tool calls of `engine/tool_calls.py`). `param` names
+    the request key it came from, for the 400 when the engine cannot enforce it.
     """
 
     kind: str
@@ -75,10 +77,15 @@ class GenerateRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     chat: bool = False
     timeout: float | None = None  # seconds; None: the server default
-    # A conversation ({"role": "system" | "user" | "assistant", "content": str} each): the engine
-    # renders it with the model's chat template (add_generation_prompt=True) instead of using
-    # `prompt`. Adapters that set it for a lone user message also set prompt=content, chat=True.
-    messages: tuple[dict[str, str], ...] | None = None
+    # A conversation ({"role": "system" | "user" | "assistant" | "tool", "content": str} each;
+    # an assistant turn may carry HF's "tool_calls" [{"type": "function", "function": {"name",
+    # "arguments": dict}}], a tool turn its "tool_call_id"): the engine renders it with the
+    # model's chat template (add_generation_prompt=True) instead of using `prompt`. Adapters
+    # that set it for a lone user message also set prompt=content, chat=True.
+    messages: tuple[dict[str, Any], ...] | None = None
+    # OpenAI tools ({"type": "function", "function": {"name", "description", "parameters"}}),
+    # rendered into the prompt by `engine/tool_calls.py`; None: no tools in the prompt
+    tools: tuple[dict[str, Any], ...] | None = None
     # vLLM's cache_salt: prompts share cached KV blocks only with requests of the same salt
     # (None: the unsalted pool), so one tenant cannot learn another's prompts from timing
     cache_salt: str | None = None

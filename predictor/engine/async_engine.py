@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
+from predictor.engine import tool_calls
 from predictor.engine.batch import Sequence as EngineSequence
 from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
 from predictor.engine.kv_cache import blocks_for
@@ -124,9 +125,7 @@ class AsyncEngine:
             # a template only adds text: an overlong conversation is refused before rendering
             # (jinja held the GIL for 8 ms at a time rendering a 4 MiB message)
             self._check_length(sum(map(len, _texts(conversation))))
-            text = self._tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
-            )
+            text = self._render(conversation, request.tools)
             self._check_length(len(text))
             ids = self._tokenizer.encode(text, add_special_tokens=False)
         else:
@@ -139,6 +138,26 @@ class AsyncEngine:
                 f"prompt is {len(ids)} tokens; the limit is {self.max_prompt_tokens} tokens"
             )
         return ids
+
+    def _render(
+        self, conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+    ) -> str:
+        """The chat template's text; tools and tool turns as `engine/tool_calls.py` writes them
+        for a template that does not render them itself."""
+        if tool_calls.native(getattr(self._tokenizer, "chat_template", None)):
+            extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+            return str(
+                self._tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=False, **extra
+                )
+            )
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+            conversation = tool_calls.plain_conversation(conversation, tools)
+        return str(
+            self._tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        )
 
     def _vocab_size(self) -> int | None:
         size: Any = getattr(self._tokenizer, "__len__", None)

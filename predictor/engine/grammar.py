@@ -20,6 +20,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from predictor.engine import tool_calls
 from predictor.errors import InvalidRequest
 from predictor.types import Grammar
 
@@ -135,6 +136,10 @@ class Grammars:
                 return self._compiler.compile_grammar(choice_ebnf(json.loads(grammar.text)))
             if grammar.kind == "ebnf":
                 return self._compiler.compile_grammar(grammar.text)
+            if grammar.kind == "structural_tag":  # tool calls (engine/tool_calls.py)
+                for schema in tool_calls.schemas(json.loads(grammar.text)):
+                    check_schema(schema, param)
+                return self._compiler.compile_structural_tag(grammar.text)
         except InvalidRequest:
             raise
         except Exception as exc:  # xgrammar's parse errors say what is wrong: pass it on

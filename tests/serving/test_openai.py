@@ -284,10 +284,10 @@ def test_streamed_logprobs_cover_every_token(server: ServerProcess) -> None:
         ),
         ("completions", {"model": "nope", "prompt": "x"}, 404, "model"),
         (
-            "chat/completions",
+            "completions",
             {
                 "model": "tiny",
-                "messages": [{"role": "user", "content": "x"}],
+                "prompt": "x",
                 "tools": [{"type": "function", "function": {"name": "f"}}],
             },
             400,
@@ -329,7 +329,7 @@ def test_streamed_logprobs_cover_every_token(server: ServerProcess) -> None:
         ("completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         (
             "chat/completions",
-            {"model": "tiny", "messages": [{"role": "tool", "content": "x"}]},
+            {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
             400,
             "messages[0].role",
         ),

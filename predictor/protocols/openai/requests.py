@@ -3,27 +3,31 @@
 The sampling keys (max_tokens, temperature, stop, ...) are read by the one parameter table
 (`protocols/parameters.py`, with OpenAI's defaults and ranges); the rest of a body is checked by
 strict pydantic models: a wrong type, a value out of range or a field we do not know is an
-`InvalidRequest` naming it (`param`). Fields OpenAI defines that we cannot honour (tools,
-logit_bias, echo, ...) are refused by name unless they hold their harmless default. The response
-shapes are in `protocols/openai/responses.py`, the routes in `serving/rest/completions.py`.
+`InvalidRequest` naming it (`param`). Fields OpenAI defines that we cannot honour (functions,
+audio, ...) are refused by name unless they hold their harmless default. Tools: the calls'
+format, grammar and parsing are the engine's (`engine/tool_calls.py`: the model's format). The
+response shapes are in `protocols/openai/responses.py`, the routes in `serving/rest/completions.py`.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from predictor.engine import tool_calls
 from predictor.errors import InvalidRequest
 from predictor.protocols import parameters
-from predictor.types import GenerateRequest, SamplingParams
+from predictor.types import GenerateRequest, Grammar, SamplingParams
 
 MAX_CHOICES = 16  # n, and the number of prompts in one completions request
 MAX_TOP_LOGPROBS = 20
+MAX_TOOLS = 128
 SEED_MODULUS = parameters.SEED_LIMIT  # choice j of a seeded request uses (seed + j) mod 2**63
 PROTOCOL = "openai"
 
@@ -74,15 +78,52 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # accepted: arguments are always enforced by grammar here
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatBody(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def _empty(value: Any) -> bool:
@@ -91,11 +132,8 @@ def _empty(value: Any) -> bool:
 
 # OpenAI fields we cannot honour: refused by name unless they hold a value that asks for nothing.
 _HARMLESS: dict[str, Callable[[Any], bool]] = {
-    "tools": _empty,
-    "functions": _empty,
-    "tool_choice": lambda v: v == "none",
+    "functions": _empty,  # deprecated by OpenAI for tools, which we take
     "function_call": lambda v: v == "none",
-    "parallel_tool_calls": lambda v: isinstance(v, bool),  # only matters with tools
     "echo": lambda v: v is False,
     "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"],
@@ -138,9 +176,12 @@ def _param(loc: tuple[int | str, ...], names: frozenset[str]) -> str:
 
 _FIELD_NAMES = frozenset(
     name
-    for model in (CompletionBody, ChatBody, Message, TextPart, StreamOptions)
+    for model in (
+        CompletionBody, ChatBody, Message, TextPart, StreamOptions, AssistantToolCall,
+        CalledFunction, FunctionDefinition, Tool, NamedToolChoice, NamedFunction,
+    )
     for name in model.model_fields
-)
+)  # fmt: skip
 
 
 Body = TypeVar("Body", bound=_Common)
@@ -198,6 +239,7 @@ class OpenAIRequest:
     include_usage: bool
     logprobs: bool  # whether choices carry logprobs (the engine's k is in each request's params)
     token_ids: bool = False  # logprob tokens written "token_id:{id}" (vLLM's option)
+    tools: bool = False  # whether the choices' text is read for tool calls
 
 
 def _stream_flags(body: _Common) -> tuple[bool, bool]:
@@ -226,7 +268,7 @@ def _choices(
             out.append(
                 GenerateRequest(
                     rid, prompt.prompt, params, prompt.chat, messages=prompt.messages,
-                    cache_salt=salt, prompt_ids=prompt.prompt_ids,
+                    cache_salt=salt, prompt_ids=prompt.prompt_ids, tools=prompt.tools,
                 )
             )  # fmt: skip
     return tuple(out)
@@ -292,7 +334,7 @@ def decode_tokenize(body: Any) -> tuple[TokenizeBody, GenerateRequest]:
     if (parsed.prompt is None) == (parsed.messages is None):
         raise InvalidRequest("give one of 'prompt' or 'messages'", param="prompt")
     if parsed.messages is not None:
-        messages = tuple({"role": m.role, "content": _content(m)} for m in parsed.messages)
+        messages = _conversation(parsed.messages)
         return parsed, GenerateRequest("tokenize", "", chat=True, messages=messages)
     assert parsed.prompt is not None
     return parsed, GenerateRequest("tokenize", parsed.prompt)
@@ -303,9 +345,82 @@ def decode_detokenize(body: Any) -> DetokenizeBody:
 
 
 def _content(message: Message) -> str:
+    if message.content is None:
+        return ""
     if isinstance(message.content, str):
         return message.content
     return "\n".join(part.text for part in message.content)  # text parts, as vLLM joins them
+
+
+def _turn(i: int, message: Message) -> dict[str, Any]:
+    """One message as the engine's chat template takes it (HF's shape for tool turns)."""
+    where = f"messages[{i}]"
+    if message.tool_calls is not None and message.role != "assistant":
+        raise InvalidRequest(f"'{where}.tool_calls' is only for assistant messages", param=where)
+    if message.tool_call_id is not None and message.role != "tool":
+        raise InvalidRequest(f"'{where}.tool_call_id' is only for tool messages", param=where)
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
+    turn: dict[str, Any] = {"role": message.role, "content": _content(message)}
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise InvalidRequest(
+                f"'{where}.tool_call_id' is required", param=f"{where}.tool_call_id"
+            )
+        turn["tool_call_id"] = message.tool_call_id
+    for j, call in enumerate(message.tool_calls or ()):
+        try:
+            arguments = json.loads(call.function.arguments)
+        except ValueError as exc:
+            param = f"{where}.tool_calls[{j}].function.arguments"
+            raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from exc
+        turn.setdefault("tool_calls", []).append(
+            {"id": call.id, "type": "function",
+             "function": {"name": call.function.name, "arguments": arguments}}
+        )  # fmt: skip
+    return turn
+
+
+def _conversation(messages: Sequence[Message]) -> tuple[dict[str, Any], ...]:
+    return tuple(_turn(i, m) for i, m in enumerate(messages))
+
+
+def _tool_setup(
+    parsed: ChatBody, sampling: SamplingParams
+) -> tuple[tuple[dict[str, Any], ...] | None, SamplingParams]:
+    """The tools the prompt shows and the sampling with their grammar: `required` and a named
+    tool force calls, `auto` lets the model choose; either way a call parses and its arguments
+    validate. `none` (or no tools): no tools in the prompt, no calls read back."""
+    choice = parsed.tool_choice
+    if not parsed.tools:
+        if choice is not None and choice != "none":
+            raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
+        return None, sampling
+    if choice == "none":
+        return None, sampling
+    functions = [t.function.model_dump(exclude_none=True) for t in parsed.tools]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise InvalidRequest("'tools' names a function twice", param="tools")
+    wanted: str = "auto" if choice is None else choice if isinstance(choice, str) else ""
+    if isinstance(choice, NamedToolChoice):
+        wanted = choice.function.name
+        if wanted not in names:
+            raise InvalidRequest(
+                f"'tool_choice' names '{wanted}', which is not among 'tools'",
+                param="tool_choice.function.name",
+            )
+    if sampling.grammar is not None:
+        raise InvalidRequest(
+            f"'{sampling.grammar.param}' cannot be combined with tools (tool_choice "
+            f"'{wanted}' is enforced by a grammar of its own)",
+            param=sampling.grammar.param,
+        )
+    parallel = parsed.parallel_tool_calls is not False
+    grammar = Grammar("structural_tag", tool_calls.structural_tag(functions, wanted, parallel))
+    grammar = replace(grammar, param="tools")
+    tools = tuple({"type": "function", "function": f} for f in functions)
+    return tools, replace(sampling, grammar=grammar)
 
 
 def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
@@ -316,18 +431,21 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
     if parsed.top_logprobs is not None and not parsed.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     k = (parsed.top_logprobs or 0) if parsed.logprobs else None
-    sampling = replace(values.sampling, logprobs=k)
+    tools, sampling = _tool_setup(parsed, replace(values.sampling, logprobs=k))
     stream, include_usage = _stream_flags(parsed)
-    messages = tuple({"role": m.role, "content": _content(m)} for m in parsed.messages)
+    messages = _conversation(parsed.messages)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     if len(messages) == 1 and messages[0]["role"] == "user":
         # the engine's own single-message chat path renders the same template
-        prompt = GenerateRequest(base, messages[0]["content"], chat=True, messages=messages)
+        prompt = GenerateRequest(
+            base, messages[0]["content"], chat=True, messages=messages, tools=tools
+        )
     else:
-        prompt = GenerateRequest(base, "", chat=True, messages=messages)
+        prompt = GenerateRequest(base, "", chat=True, messages=messages, tools=tools)
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
         _choices(base, [prompt], n, sampling, values.cache_salt), stream, include_usage,
         k is not None,
         bool(parsed.return_tokens_as_token_ids),
+        tools is not None,
     )  # fmt: skip

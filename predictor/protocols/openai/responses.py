@@ -7,6 +7,7 @@ chunk); fields we leave alone are left out.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -16,16 +17,19 @@ from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionMessage,
+    ChatCompletionMessageFunctionToolCall,
     ChatCompletionTokenLogprob,
 )
 from openai.types.chat import chat_completion as chat
 from openai.types.chat import chat_completion_chunk as chunk
+from openai.types.chat.chat_completion_message_function_tool_call import Function
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs
 from openai.types.completion_usage import PromptTokensDetails
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel
 
+from predictor.engine import tool_calls
 from predictor.protocols.openai.requests import OpenAIRequest
 from predictor.types import Completion, FinishReason, TokenEvent, TokenLogprob, Usage
 from predictor.types import TopLogprob as OurTopLogprob
@@ -38,6 +42,33 @@ FinishName = Literal["stop", "length"]
 def finish_name(reason: FinishReason) -> FinishName:
     """End of sequence and stop strings are `stop`; a token cap or a deadline is `length`."""
     return "length" if reason in (FinishReason.LENGTH, FinishReason.TIMEOUT) else "stop"
+
+
+def chat_finish(reason: FinishReason, called: bool) -> FinishName | Literal["tool_calls"]:
+    """As `finish_name`, but `tool_calls` where a text that ended on its own made calls."""
+    name = finish_name(reason)
+    return "tool_calls" if called and name == "stop" else name
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _message(request: OpenAIRequest, text: str) -> tuple[ChatCompletionMessage, bool]:
+    """The assistant's message; with tools, the calls read out of its text."""
+    if not request.tools:
+        return ChatCompletionMessage(role="assistant", content=text), False
+    content, calls = tool_calls.split(text)
+    message = ChatCompletionMessage(role="assistant", content=content)
+    if calls:
+        message.tool_calls = [
+            ChatCompletionMessageFunctionToolCall(
+                id=call_id(), type="function",
+                function=Function(name=c.name, arguments=c.arguments),
+            )
+            for c in calls
+        ]  # fmt: skip
+    return message, bool(calls)
 
 
 def dump(body: BaseModel) -> str:
@@ -143,19 +174,20 @@ def completion_response(request: OpenAIRequest, results: Sequence[Completion]) -
 
 
 def chat_response(request: OpenAIRequest, results: Sequence[Completion]) -> str:
-    choices = [
-        chat.Choice(
-            index=i,
-            message=ChatCompletionMessage(role="assistant", content=c.text),
-            finish_reason=finish_name(c.finish_reason),
-            logprobs=(
-                chat.ChoiceLogprobs(content=chat_logprobs(request, c.logprobs), refusal=None)
-                if request.logprobs
-                else None
-            ),
+    choices = []
+    for i, c in enumerate(results):
+        message, called = _message(request, c.text)
+        logprobs = (
+            chat.ChoiceLogprobs(content=chat_logprobs(request, c.logprobs), refusal=None)
+            if request.logprobs
+            else None
         )
-        for i, c in enumerate(results)
-    ]
+        choices.append(
+            chat.Choice(
+                index=i, message=message, logprobs=logprobs,
+                finish_reason=chat_finish(c.finish_reason, called),
+            )
+        )  # fmt: skip
     body = ChatCompletion(
         id=request.id,
         object="chat.completion",
@@ -183,6 +215,9 @@ class ChunkEncoder:
         self._pending: list[list[TokenLogprob]] = [[] for _ in range(count)]
         self._offsets = [0] * count
         self._usages: list[Usage | None] = [None] * count
+        # with tools: each choice's text read for calls, and each call's id
+        self._parsers = [tool_calls.StreamParser() for _ in range(count if request.tools else 0)]
+        self._call_ids: list[list[str]] = [[] for _ in range(count)]
 
     def opening(self) -> list[str]:
         """Chat streams open with one chunk per choice that carries the assistant role."""
@@ -204,14 +239,24 @@ class ChunkEncoder:
         if event.usage is not None:
             self._usages[index] = event.usage
         if self.request.kind == "chat":
+            delta = self._delta(index, event)
+            if delta is None:  # text held back by the call parser: its logprobs wait too
+                self._pending[index][:0] = tokens
+                return None
+            chat_finish_name = (
+                None
+                if event.finish_reason is None
+                else chat_finish(event.finish_reason, bool(self._call_ids[index]))
+            )
             logprobs = (
                 chunk.ChoiceLogprobs(content=chat_logprobs(self.request, tokens), refusal=None)
                 if self.request.logprobs
                 else None
             )
-            delta = chunk.ChoiceDelta(content=event.text) if event.text else chunk.ChoiceDelta()
             return self._chat_chunk(
-                chunk.Choice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
+                chunk.Choice(
+                    index=index, delta=delta, finish_reason=chat_finish_name, logprobs=logprobs
+                )
             )
         logprobs_body = None
         if self.request.logprobs:
@@ -223,6 +268,44 @@ class ChunkEncoder:
             index=index, text=event.text, finish_reason=finish, logprobs=logprobs_body
         )
         return dump(self._completion_chunk([choice]))
+
+    def _delta(self, index: int, event: TokenEvent) -> chunk.ChoiceDelta | None:
+        """A chat chunk's delta: the text, or with tools the content and call pieces the parser
+        has let through; None when there is nothing to send yet."""
+        if not self.request.tools:
+            return chunk.ChoiceDelta(content=event.text) if event.text else chunk.ChoiceDelta()
+        parser = self._parsers[index]
+        deltas = parser.feed(event.text) + (parser.finish() if event.final else [])
+        content = "".join(d.text for d in deltas if d.kind == "content")
+        calls: list[chunk.ChoiceDeltaToolCall] = []
+        ids = self._call_ids[index]
+        for d in deltas:
+            if d.kind == "call":
+                ids.append(call_id())
+                calls.append(
+                    chunk.ChoiceDeltaToolCall(
+                        index=d.index, id=ids[d.index], type="function",
+                        function=chunk.ChoiceDeltaToolCallFunction(name=d.text, arguments=""),
+                    )
+                )  # fmt: skip
+            elif d.kind == "arguments":
+                if calls and calls[-1].index == d.index and calls[-1].function is not None:
+                    calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.text
+                else:
+                    calls.append(
+                        chunk.ChoiceDeltaToolCall(
+                            index=d.index,
+                            function=chunk.ChoiceDeltaToolCallFunction(arguments=d.text),
+                        )
+                    )
+        if not content and not calls and not event.final:
+            return None
+        delta = chunk.ChoiceDelta()
+        if content:
+            delta.content = content
+        if calls:
+            delta.tool_calls = calls
+        return delta
 
     def closing(self) -> list[str]:
         """The usage chunk (empty choices), when the request asked for it."""

@@ -80,8 +80,44 @@ def test_chat_logprobs_without_top() -> None:
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+        ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools[0].type"),
         ({"tool_choice": "auto"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice.function.name",
+        ),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].tool_call_id"),
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "messages[0]"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{"},
+                            }
+                        ],
+                    }
+                ]
+            },
+            "messages[0].tool_calls[0].function.arguments",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({"logit_bias": {"1": 500}}, "logit_bias"),
         ({"temperature": 2.5}, "temperature"),
@@ -105,7 +141,7 @@ def test_chat_logprobs_without_top() -> None:
             "stream_options.continuous_usage_stats",
         ),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
