@@ -41,6 +41,7 @@ def test_readme_opens_with_the_two_commands() -> None:
         "openai-curl",
         "openai-sdk",
         "openai-structured",
+        "openai-tools",
         "tritonclient-vllm",
     }
 
@@ -88,3 +89,11 @@ def test_structured_outputs_snippet(server: ServerProcess) -> None:
     colour, reason = lines[1].split()
     assert colour in ("black", "white", "ginger", "grey") and reason == "stop"
     assert lines[2] in ("yes", "no")
+
+
+def test_tool_call_snippet(server: ServerProcess) -> None:
+    out = run([sys.executable, "-c", adapt(SNIPPETS["openai-tools"], server)])
+    first, second = out.splitlines()
+    assert first.startswith("tool_calls get_weather {'city': ")
+    assert first.endswith(("'unit': 'celsius'}", "'unit': 'fahrenheit'}"))
+    assert second == "True"
