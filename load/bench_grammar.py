@@ -1,8 +1,10 @@
 """Grammar benchmark (a script, not a test): the cost of constrained decoding.
 
-On the default GPTQ model, in process: a typical JSON schema's compile time (cold, median of
-several), then aggregate tokens/s at concurrency C with a JSON schema on every row against the
-same requests unconstrained, alternating in one run so both see the same machine.
+On the default GPTQ model, in process: a typical JSON schema's and a typical tool set's compile
+time (cold, median of several), then aggregate tokens/s at concurrency C with a JSON schema on
+every row, and with tools (`tool_choice` auto: free text where a call must validate; required:
+calls only), against the same requests unconstrained, alternating in one run so all see the
+same machine.
 
     .venv/bin/python load/bench_grammar.py [--model-dir ...] [--threads 1] [--concurrency 16]
 """
@@ -36,6 +38,12 @@ TYPICAL = {
     "required": ["name", "age", "email", "tags", "role", "address"],
     "additionalProperties": False,
 }
+TOOLS = [
+    {"name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+        "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"]}},
+    {"name": "create_user", "parameters": TYPICAL},
+]  # fmt: skip
 
 
 def main() -> None:
@@ -51,6 +59,7 @@ def main() -> None:
 
     from predictor.__main__ import build_engine
     from predictor.config import Settings
+    from predictor.engine import tool_calls
     from predictor.engine.grammar import Grammars
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
@@ -61,24 +70,32 @@ def main() -> None:
     started = time.perf_counter()
     grammars = Grammars(loaded.tokenizer, loaded.eos_ids)
     print(f"tokenizer info: {(time.perf_counter() - started) * 1000:.0f} ms (once per server)")
-    times = []
-    for _ in range(7):
-        fresh = Grammars.__new__(Grammars)
-        fresh.__dict__.update(grammars.__dict__)
-        fresh._cache = type(grammars._cache)()  # cold: an empty cache
-        started = time.perf_counter()
-        fresh.compile(Grammar("json_schema", json.dumps(TYPICAL)))
-        times.append(time.perf_counter() - started)
-    print(f"typical schema compile: median {statistics.median(times) * 1000:.1f} ms, "
-          f"max {max(times) * 1000:.1f} ms")  # fmt: skip
+    kinds = {
+        "typical": Grammar("json_schema", json.dumps(TYPICAL)),
+        "tools auto": Grammar("structural_tag", tool_calls.structural_tag(TOOLS, "auto", True)),
+        "tools required": Grammar(
+            "structural_tag", tool_calls.structural_tag(TOOLS, "required", True)
+        ),
+    }
+    for name, grammar in kinds.items():
+        times = []
+        for _ in range(7):
+            fresh = Grammars.__new__(Grammars)
+            fresh.__dict__.update(grammars.__dict__)
+            fresh._cache = type(grammars._cache)()  # cold: an empty cache
+            started = time.perf_counter()
+            fresh.compile(grammar)
+            times.append(time.perf_counter() - started)
+        print(f"{name} compile: median {statistics.median(times) * 1000:.1f} ms, "
+              f"max {max(times) * 1000:.1f} ms")  # fmt: skip
 
     settings = Settings(max_batch_size=64, max_waiting=1024, threads=args.threads)
     engine = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
 
-    async def wave(schema: dict | None) -> tuple[float, int]:
-        grammar = None if schema is None else Grammar("json_schema", json.dumps(schema))
+    async def wave(grammar: Grammar | None) -> tuple[float, int]:
+        # ignore_eos holds every row to the budget; a grammar's own end is not delayed by it
         params = SamplingParams(max_tokens=args.new_tokens, temperature=0.8, seed=1,
-                                ignore_eos=schema is None, grammar=grammar)  # fmt: skip
+                                ignore_eos=True, grammar=grammar)  # fmt: skip
 
         async def one(i: int) -> int:
             req = GenerateRequest(f"g{i}", prompts[i % len(prompts)], params, chat=True)
@@ -91,21 +108,22 @@ def main() -> None:
     engine.start()
     try:
         asyncio.run(wave(None))  # warm-up
-        asyncio.run(wave(TYPICAL))
-        # the typical schema's answers outlast the token budget: both sides generate C x budget
-        # tokens (the token counts printed say so), so the rates compare like for like
-        rates: dict[str, list[float]] = {"unconstrained": [], "typical": []}
+        for grammar in kinds.values():
+            asyncio.run(wave(grammar))
+        # the constrained answers outlast the token budget (a random call may end early: the
+        # token counts printed say so), so the rates compare like for like
+        rates: dict[str, list[float]] = {"unconstrained": [], **{name: [] for name in kinds}}
         for _ in range(args.rounds):
-            for name, schema in (("unconstrained", None), ("typical", TYPICAL)):
-                rate, tokens = asyncio.run(wave(schema))
+            for name, grammar in (("unconstrained", None), *kinds.items()):
+                rate, tokens = asyncio.run(wave(grammar))
                 rates[name].append(rate)
-                print(f"  {name:>13}: {rate:7.1f} tok/s ({tokens} tokens)")
+                print(f"  {name:>14}: {rate:7.1f} tok/s ({tokens} tokens)")
     finally:
         engine.stop()
     base = statistics.median(rates["unconstrained"])
     print(f"\nC={args.concurrency}, {args.threads} thread(s), median of {args.rounds}:")
     for name, values in rates.items():
-        print(f"{name:>13}: {statistics.median(values):7.1f} tok/s "
+        print(f"{name:>14}: {statistics.median(values):7.1f} tok/s "
               f"({statistics.median(values) / base:.2f}x unconstrained)")  # fmt: skip
     print(f"load average: {os.getloadavg()}")
 
