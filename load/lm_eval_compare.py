@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -79,17 +80,18 @@ def evaluate(model: Any, model_args: str | None, tasks: Path, limit: int | None)
 
 def compare(served: dict, local: dict) -> dict[str, Any]:
     """Both accuracies, the questions answered alike and the largest log-likelihood gap."""
-    same, gap = 0, 0.0
+    same, gaps = 0, []
     for (doc, ours), (doc2, theirs) in zip(served["samples"], local["samples"], strict=True):
         assert doc == doc2
         same += max(range(len(ours)), key=ours.__getitem__) == max(
             range(len(theirs)), key=theirs.__getitem__
         )
-        gap = max(gap, *(abs(a - b) for a, b in zip(ours, theirs, strict=True)))
+        gaps.extend(abs(a - b) for a, b in zip(ours, theirs, strict=True))
     count = len(served["samples"])
     return {
         "questions": count, "served_acc": served["acc"], "hf_acc": local["acc"],
-        "same_answer": same, "max_loglikelihood_gap": round(gap, 4),
+        "same_answer": same, "max_loglikelihood_gap": round(max(gaps), 4),
+        "median_loglikelihood_gap": round(statistics.median(gaps), 4),
         "within_one_in_twenty": abs(served["acc"] - local["acc"]) * count <= count / 20,
     }  # fmt: skip
 
