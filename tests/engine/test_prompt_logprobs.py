@@ -137,3 +137,26 @@ def test_gptq_runner_scores_like_the_gptq_model(
     )
     drive(loop, {0: [seq]}, [sink])
     check(sink.events[0].prompt, PROMPT, tiny_gptq.model, 3, 0.05, rel=0.02)
+
+
+def test_null_runner_returns_every_position_of_a_scored_row(tiny_dense: Tiny) -> None:
+    """The model-free runner (benchmarks of the engine) follows the same logits layout: a row
+    scoring its prompt gets a row of logits per token fed, the others one or none."""
+    from predictor.engine.runners.null import NullRunner
+    from predictor.engine.step import StepRow
+
+    runner = NullRunner(len(tiny_dense.tokenizer), 64)
+    rows = [
+        StepRow([0], 3, [7], logits=True),
+        StepRow([1, 2], 0, list(range(20)), logits=False, all_logits=True),
+        StepRow([3], 0, [1, 2, 3], logits=False),
+    ]
+    assert runner.forward(rows).shape[0] == 1 + 20
+    loop = new_loop(runner, tiny_dense.eos_ids, max_step_tokens=16)
+    seq, sink = make_sequence(
+        tiny_dense.tokenizer, PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=1)
+    )
+    drive(loop, {0: [seq]}, [sink])
+    prompt = sink.events[0].prompt
+    assert prompt is not None and len(prompt.logprobs) == len(PROMPT)
+    assert all(p.logprob is not None and p.rank is not None for p in prompt.logprobs[1:])
