@@ -55,6 +55,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # the text must match this grammar: a finished grammar ends the request (EOS)
     grammar: Grammar | None = None
+    # None: the prompt is not scored; k >= 0: each prompt token's logprob (the first has none)
+    # with its rank and the k most likely tokens at its position (vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -91,6 +94,9 @@ class GenerateRequest:
     cache_salt: str | None = None
     # the prompt as token ids (OpenAI completions' list-of-ints prompt): used as given
     prompt_ids: tuple[int, ...] | None = None
+    # send the prompt back (its text, and its tokens' logprobs when params.prompt_logprobs is
+    # set) on the first event: OpenAI completions' echo
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,29 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptToken:
+    """One prompt token scored by the model: log_softmax at the position before it (None for
+    the first token, which nothing precedes), its rank there (1: the most likely) and the
+    most likely tokens there."""
+
+    token_id: int
+    token: str
+    logprob: float | None
+    rank: int | None = None
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptEcho:
+    """The prompt as the engine saw it, sent on a request's first event when it asked
+    (echo, prompt_logprobs)."""
+
+    text: str  # the prompt text as given, or the prompt's token ids decoded
+    token_ids: tuple[int, ...]
+    logprobs: tuple[PromptToken, ...] = ()  # one per prompt token, when prompt_logprobs is set
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of one request: the new text (possibly empty while a stop prefix is held back).
 
@@ -134,6 +163,7 @@ class TokenEvent:
     usage: Usage | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry, when the request asked
+    prompt: PromptEcho | None = None  # on the first event, when the request asked for it
 
     @property
     def final(self) -> bool:
@@ -149,3 +179,4 @@ class Completion:
     finish_reason: FinishReason
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
+    prompt: PromptEcho | None = None  # when the request asked for it (echo, prompt_logprobs)

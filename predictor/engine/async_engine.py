@@ -194,9 +194,14 @@ class AsyncEngine:
                 self._grammars = Grammars(self._tokenizer, self._loop.eos_ids)
             return self._grammars
 
-    def prepare(self, request: GenerateRequest) -> tuple[list[int], Any]:
-        """The prompt's tokens and its compiled grammar, if any (blocking: a worker thread)."""
+    def prepare(self, request: GenerateRequest) -> tuple[list[int], Any, str | None]:
+        """The prompt's tokens, its compiled grammar, if any, and its text when the request
+        echoes it (blocking: a worker thread)."""
         ids = self.encode_prompt(request)
+        echo = None
+        if request.echo:  # the text as given; token ids (or a rendered chat) decoded
+            plain = request.prompt_ids is None and request.messages is None and not request.chat
+            echo = request.prompt if plain else self._tokenizer.decode(ids)
         vocab = self._vocab_size()
         if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
             raise InvalidRequest(
@@ -204,13 +209,13 @@ class AsyncEngine:
                 param="logit_bias",
             )
         grammar = request.params.grammar
-        return ids, None if grammar is None else self.grammars().compile(grammar)
+        return ids, None if grammar is None else self.grammars().compile(grammar), echo
 
     def _check(self, request: GenerateRequest) -> None:
         max_tokens = request.params.max_tokens
-        if not 1 <= max_tokens <= self.max_tokens_limit:
+        if not 0 <= max_tokens <= self.max_tokens_limit:  # 0: only the prompt (echo)
             raise InvalidRequest(
-                f"max_tokens must be between 1 and {self.max_tokens_limit}, got {max_tokens}"
+                f"max_tokens must be between 0 and {self.max_tokens_limit}, got {max_tokens}"
             )
         if not self.health():
             raise EngineUnavailable("the engine is not accepting requests")
@@ -247,14 +252,14 @@ class AsyncEngine:
         try:
             # off the event loop: a long prompt must not stall the other streams
             prepared = await asyncio.to_thread(lambda: [self.prepare(r) for r in requests])
-            for request, (prompt_ids, _) in zip(requests, prepared, strict=True):
+            for request, (prompt_ids, _, _) in zip(requests, prepared, strict=True):
                 self._check_fits(prompt_ids, request.params.max_tokens)
             if not self.health():  # drained or stopped while tokenizing
                 raise EngineUnavailable("the engine is not accepting requests")
             loop = asyncio.get_running_loop()
             made = [
-                self._sequence(r, ids, loop, compiled)
-                for r, (ids, compiled) in zip(requests, prepared, strict=True)
+                self._sequence(r, ids, loop, compiled, echo)
+                for r, (ids, compiled, echo) in zip(requests, prepared, strict=True)
             ]
             self._loop.scheduler.add_all([seq for seq, _ in made])  # raises Overloaded
         finally:
@@ -273,6 +278,7 @@ class AsyncEngine:
         prompt_ids: list[int],
         loop: asyncio.AbstractEventLoop,
         compiled: Any = None,
+        echo: str | None = None,
     ) -> tuple[EngineSequence, asyncio.Queue[TokenEvent]]:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
 
@@ -291,6 +297,7 @@ class AsyncEngine:
             deadline=None if timeout is None else time.monotonic() + timeout,
             cache_salt=request.cache_salt,
             matcher=None if compiled is None else self.grammars().matcher(compiled),
+            prompt_text=echo,
         )
         return seq, queue
 

@@ -9,7 +9,15 @@ from typing import Any
 
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.kv_cache import BlockKey, extend_keys
-from predictor.types import FinishReason, SamplingParams, TokenEvent, TokenLogprob, Usage
+from predictor.types import (
+    FinishReason,
+    PromptEcho,
+    PromptToken,
+    SamplingParams,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
 
 EventSink = Callable[[TokenEvent], None]
 
@@ -37,6 +45,33 @@ class Sequence:
     registered: int = 0  # leading blocks of `blocks` offered to the prefix cache
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     preemptions: int = 0  # times this row gave its blocks back to be recomputed later
+    # echo: the prompt's text, sent back on the first event (with prompt_scores, if scored)
+    prompt_text: str | None = None
+    # prompt_logprobs: one entry per prompt token scored so far (the first has no logprob)
+    prompt_scores: list[PromptToken] = field(default_factory=list)
+    prompt_sent: bool = False  # the first event (carrying the prompt, if asked) went out
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_ids:
+            first = self.prompt_ids[0]
+            self.prompt_scores.append(PromptToken(first, self.detokenizer.token_text(first), None))
+
+    @property
+    def scoring(self) -> bool:
+        """Prompt tokens are still to be scored: every prefill chunk needs all its logits,
+        and no cached prefix may stand in for the positions that score them."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_scores) < len(
+            self.prompt_ids
+        )
+
+    def _prompt(self) -> PromptEcho | None:
+        """The prompt for the first event, when the request asked for it (once)."""
+        if self.prompt_sent:
+            return None
+        self.prompt_sent = True
+        if self.prompt_text is None and self.params.prompt_logprobs is None:
+            return None
+        return PromptEcho(self.prompt_text or "", tuple(self.prompt_ids), tuple(self.prompt_scores))
 
     @property
     def total_tokens(self) -> int:
@@ -74,7 +109,9 @@ class Sequence:
     def emit(
         self, text: str, token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = ()
     ) -> None:
-        self.sink(TokenEvent(self.request_id, text, token_ids, logprobs=logprobs))
+        self.sink(
+            TokenEvent(self.request_id, text, token_ids, logprobs=logprobs, prompt=self._prompt())
+        )
 
     def finish(
         self,
@@ -88,7 +125,12 @@ class Sequence:
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
-        self.sink(TokenEvent(self.request_id, text, token_ids, reason, self.usage, error, logprobs))
+        prompt = self._prompt() if error is None else None
+        self.sink(
+            TokenEvent(
+                self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt
+            )
+        )
 
 
 class Batch:

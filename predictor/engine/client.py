@@ -11,6 +11,7 @@ from predictor.types import (
     Completion,
     FinishReason,
     GenerateRequest,
+    PromptEcho,
     TokenEvent,
     TokenLogprob,
 )
@@ -81,8 +82,10 @@ async def complete(events: Stream) -> Completion:
     """Run one request's events to the end and collect its text (the unary endpoints' path)."""
     parts: list[str] = []
     logprobs: list[TokenLogprob] = []
+    prompt: PromptEcho | None = None
     try:
         async for event in events:
+            prompt = prompt or event.prompt
             parts.append(event.text)
             logprobs.extend(event.logprobs)
             if event.final:
@@ -91,7 +94,12 @@ async def complete(events: Stream) -> Completion:
                     raise GenerationFailed(event.error or "generation failed")
                 text = "".join(parts)
                 return Completion(
-                    event.request_id, text, event.finish_reason, event.usage, tuple(logprobs)
+                    event.request_id,
+                    text,
+                    event.finish_reason,
+                    event.usage,
+                    tuple(logprobs),
+                    prompt,
                 )
     finally:
         await events.aclose()

@@ -245,3 +245,31 @@ def _logprobs(
             top = list(zip(ids.tolist(), values.tolist(), strict=True))
         out[i] = (float(logp[row, tokens[i]]), top)
     return out
+
+
+def select_rows(logits: torch.Tensor, indexes: Sequence[int]) -> torch.Tensor:
+    """logits [R, V] -> [len(indexes), V]: the rows to sample from, when a step also returned
+    logits to score prompts with."""
+    if len(indexes) == logits.shape[0]:
+        return logits
+    return logits.index_select(0, torch.tensor(indexes, dtype=torch.long, device=logits.device))
+
+
+def score_tokens(
+    logits: torch.Tensor, targets: Sequence[int], top_n: int
+) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """logits [T, V] (position t's) and the token that follows each position -> per position:
+    (the token's logprob, its rank (1: the most likely), the top_n most likely (token, logprob)).
+
+    The model's raw distribution, as sampled tokens' logprobs are (no temperature, no
+    penalties): a prompt is scored the same whatever the request samples with."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [T, V]
+    at = torch.tensor(targets, dtype=torch.long, device=logp.device).unsqueeze(1)  # [T, 1]
+    chosen = logp.gather(1, at)  # [T, 1]
+    ranks = ((logp > chosen).sum(dim=1) + 1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if top_n:
+        values, ids = torch.topk(logp, min(top_n, logp.shape[-1]), dim=-1)  # [T, k] each
+        pairs = zip(ids.tolist(), values.tolist(), strict=True)
+        tops = [list(zip(i, v, strict=True)) for i, v in pairs]
+    return list(zip(chosen[:, 0].tolist(), ranks, tops, strict=True))

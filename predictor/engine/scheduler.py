@@ -72,7 +72,9 @@ class Scheduler:
 
         A request takes the blocks of its longest cached prefix (never its last token: that
         one's logits are needed) and new blocks for the rest of its prompt, when that leaves a
-        small headroom for the running rows to grow into (none needed by a lone request). Its
+        small headroom for the running rows to grow into (none needed by a lone request). A
+        request whose prompt must be scored (prompt_logprobs) takes no cached prefix, as vLLM
+        does: every position it scores is computed. Its
         output later grows one block at a time; the step loop preempts when none is left.
         """
         admitted: list[Sequence] = []
@@ -83,7 +85,7 @@ class Scheduler:
                 seq = self._waiting[0]
                 total = seq.total_tokens
                 hit: list[int] = []
-                if prefix_caching:
+                if prefix_caching and not seq.scoring:  # scored positions are computed
                     hit = cache.match(seq.block_keys((total - 1) // size, size))
                 new = blocks_for(total, size) - len(hit)
                 spare = headroom if running_rows + len(admitted) else 0

@@ -22,6 +22,14 @@ class StepRow:
     start: int  # position of tokens[0]: how many of the row's tokens the cache already holds
     tokens: Sequence[int]  # fed this step: 1 for a decode row, a prompt chunk for a prefill row
     logits: bool  # whether the step must return logits for the last of `tokens`
+    # logits for every one of `tokens` (a prompt being scored, prompt_logprobs): len(tokens)
+    # rows, the last of them the one `logits` asks for; rows without it cost nothing extra
+    all_logits: bool = False
+
+    @property
+    def logit_count(self) -> int:
+        """Rows of logits the step returns for this row."""
+        return len(self.tokens) if self.all_logits else int(self.logits)
 
 
 class Runner(Protocol):
@@ -30,5 +38,6 @@ class Runner(Protocol):
     def bind_thread(self) -> None: ...
 
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        """logits: [rows that asked for them, vocab], in the order of `rows`."""
+        """logits: [sum of the rows' logit_count, vocab], in the order of `rows` (a row with
+        all_logits: one per token it was fed, in position order)."""
         ...

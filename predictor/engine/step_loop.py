@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 from predictor.engine.batch import Batch, Sequence
 from predictor.engine.kv_cache import BlockAllocator
-from predictor.engine.sampling import make_generator, sample
+from predictor.engine.sampling import make_generator, sample, score_tokens, select_rows
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step import Runner, StepRow
-from predictor.types import FinishReason, TokenLogprob, TopLogprob
+from predictor.types import FinishReason, PromptToken, TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:  # annotations only: the runners run torch
     import torch
@@ -166,6 +166,10 @@ class StepLoop:
                 seq.finish(FinishReason.ERROR, error="the request could not be admitted")
                 self._free(seq)
                 continue
+            if seq.params.max_tokens == 0 and not seq.scoring:  # echo only: nothing to run
+                seq.finish(FinishReason.LENGTH)
+                self._free(seq)
+                continue
             joined.append(seq)
         self.batch.extend(joined)
 
@@ -220,7 +224,8 @@ class StepLoop:
             chunk = seq.tokens(seq.cached, end)
             budget -= len(chunk)
             fed.append(seq)
-            rows.append(StepRow(seq.blocks, seq.cached, chunk, logits=end == total))
+            sample_next = end == total and seq.params.max_tokens > 0
+            rows.append(StepRow(seq.blocks, seq.cached, chunk, sample_next, seq.scoring))
         return fed, rows
 
     def _register(self, seq: Sequence) -> None:
@@ -247,13 +252,22 @@ class StepLoop:
             self._compact()
             return
         sampled = []
+        at: list[int] = []  # the rows of `logits` sampled from
+        first = 0  # the row of `logits` where this row's begin
         for seq, row in zip(fed, rows, strict=True):
+            if row.all_logits:
+                self._score(seq, row, logits[first : first + len(row.tokens)])
             seq.cached += len(row.tokens)
             if self.prefix_caching:
                 self._register(seq)
+            first += row.logit_count
             if row.logits:
                 sampled.append(seq)
-        self._accept(sampled, logits)
+                at.append(first - 1)
+            elif seq.params.max_tokens == 0 and seq.cached >= len(seq.prompt_ids):
+                seq.finish(FinishReason.LENGTH)  # echo only: the prompt is scored
+        if sampled:
+            self._accept(sampled, select_rows(logits, at))
         if self._on_step is not None and sampled:
             self._on_step(len(sampled))
         self._compact()
@@ -275,6 +289,22 @@ class StepLoop:
             if logprob is not None:
                 logprobs = (self._token_logprob(seq, token, *logprob),)
             self._advance(seq, token, logprobs)
+
+    @staticmethod
+    def _score(seq: Sequence, row: StepRow, logits: torch.Tensor) -> None:
+        """Score the prompt tokens that follow this chunk's positions (logits [len(tokens),
+        V]: position start + i's), skipping those scored before a preemption."""
+        scores = seq.prompt_scores
+        skip = len(scores) - 1 - row.start  # positions already scored
+        targets = seq.prompt_ids[len(scores) : row.start + len(row.tokens) + 1]
+        if skip < 0 or not targets:
+            return
+        k = seq.params.prompt_logprobs or 0
+        text = seq.detokenizer.token_text
+        scored = score_tokens(logits[skip : skip + len(targets)], targets, k)
+        for token, (logprob, rank, top) in zip(targets, scored, strict=True):
+            tops = tuple(TopLogprob(t, text(t), lp) for t, lp in top)
+            scores.append(PromptToken(token, text(token), logprob, rank, tops))
 
     @staticmethod
     def _token_logprob(

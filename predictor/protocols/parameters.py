@@ -34,6 +34,7 @@ MAX_STOP_LENGTH = 256
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 SEED_LIMIT = 2**63  # seeds are non-negative 64-bit integers
 MAX_SALT_LENGTH = 256
+MAX_PROMPT_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,9 @@ def _number_text(value: float) -> str:
 
 TABLE: tuple[Parameter, ...] = (
     Parameter("max_tokens", "integer", None, "most tokens to generate (default: the server's "
-              "--default-max-tokens; capped by --max-tokens-limit)", low=1, tensor="INT32"),
+              "--default-max-tokens; capped by --max-tokens-limit; OpenAI completions: 0 with "
+              "echo returns the prompt only)", low=1, tensor="INT32",
+              overrides=(("openai", (("low", 0),)),)),
     Parameter("temperature", "number", 0.0, "0 is greedy", low=0, high=100, tensor="FP32",
               overrides=(("openai", (("default", 1.0), ("high", 2))),)),
     Parameter("top_p", "number", 1.0, "nucleus sampling mass", low=0, high=1, low_open=True,
@@ -99,6 +102,9 @@ TABLE: tuple[Parameter, ...] = (
     Parameter("logit_bias", "bias", (), "{token id: bias in [-100, 100]} added to the logits "
               f"(OpenAI's; at most {MAX_LOGIT_BIAS} entries; over gRPC: a JSON string)",
               low=-100, high=100),
+    Parameter("prompt_logprobs", "integer", None, "vLLM's: each prompt token's logprob, rank "
+              f"and the k most likely tokens at its position (0 to {MAX_PROMPT_LOGPROBS}; not "
+              "with stream)", low=0, high=MAX_PROMPT_LOGPROBS, protocols=frozenset({"openai"})),
     Parameter("structured_outputs", "grammar", None, "vLLM's constrained decoding: an object "
               "with one of json (a JSON schema), regex, choice (a list of strings), grammar "
               "(EBNF) or json_object: true (over gRPC: a string holding that object)",

@@ -74,7 +74,9 @@ class WholeStream:
         c = await complete(self._events)
         if self._as_event is not None:
             return self._as_event(c)
-        return TokenEvent(c.request_id, c.text, (), c.finish_reason, c.usage, logprobs=c.logprobs)
+        return TokenEvent(
+            c.request_id, c.text, (), c.finish_reason, c.usage, logprobs=c.logprobs, prompt=c.prompt
+        )
 
     async def aclose(self) -> None:
         self._done = True

@@ -316,7 +316,7 @@ def test_streamed_logprobs_cover_every_token(server: ServerProcess) -> None:
             400,
             "logit_bias",
         ),
-        ("completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+        ("completions", {"model": "tiny", "prompt": "x", "echo": 1}, 400, "echo"),
         ("completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
         ("completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
         (

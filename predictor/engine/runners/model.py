@@ -183,7 +183,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        """Run one step; logits [number of rows with `logits`, V] (float32), in row order.
+        """Run one step; logits [sum of the rows' logit_count, V] (float32), in row order.
 
         Every op here runs once per layer for the whole step (30 layers x 16 rows: a few
         microseconds of dispatch per op add up to milliseconds), so a layer is written as few

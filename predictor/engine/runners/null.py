@@ -29,7 +29,7 @@ class NullRunner:
         torch.set_num_threads(1)
 
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
-        wanted = sum(1 for row in rows if row.logits)
+        wanted = sum(row.logit_count for row in rows)
         if wanted > self._logits.shape[0]:
             self._logits = self._logits.repeat(-(-wanted // self._logits.shape[0]), 1)
         return self._logits[:wanted]

@@ -24,7 +24,7 @@ class StepPlan:
     decode_bias: torch.Tensor  # [d, 1, L] float32: 0 where a key exists, -inf past the row's end
     # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
-    logit_rows: list[int]  # flat index of the last token of each row that wants logits
+    logit_rows: list[int]  # flat indexes of the tokens whose logits the step returns
     # for the native kernel instead of decode_slots and decode_bias: block tables [d, widest]
     # and lengths [d] (int64), scratch [group * longest] (float32)
     native_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -53,7 +53,9 @@ class StepPlan:
             ids.extend(row.tokens)
             positions.extend(range(row.start, end))
             writes.extend(_slots(row.blocks, row.start, end, block_size))
-            if row.logits:
+            if row.all_logits:
+                logit_rows.extend(range(first, first + count))
+            elif row.logits:
                 logit_rows.append(first + count - 1)
             if count == 1 and row.start > 0 and not prefills:
                 decode_rows += 1

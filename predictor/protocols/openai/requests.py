@@ -71,6 +71,7 @@ class CompletionBody(_Common):
     )
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    echo: bool | None = None  # the prompt before the completion (and in logprobs)
 
 
 class TextPart(_Strict):
@@ -134,7 +135,7 @@ def _empty(value: Any) -> bool:
 _HARMLESS: dict[str, Callable[[Any], bool]] = {
     "functions": _empty,  # deprecated by OpenAI for tools, which we take
     "function_call": lambda v: v == "none",
-    "echo": lambda v: v is False,
+    "echo": lambda v: v is False,  # chat's; completions take it (CompletionBody)
     "suffix": lambda v: v == "",
     "modalities": lambda v: v == ["text"],
     "store": lambda v: v is False,
@@ -147,14 +148,16 @@ _HARMLESS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _without_refused(body: Any) -> dict[str, Any]:
+def _without_refused(body: Any, taken: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """The body without nulls and harmless defaults; `taken`: keys the route's body model
+    has, which _HARMLESS does not judge there."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     kept: dict[str, Any] = {}
     for key, value in body.items():
         if value is None:  # JSON null: the default, for every optional field
             continue
-        harmless = _HARMLESS.get(key)
+        harmless = None if key in taken else _HARMLESS.get(key)
         if harmless is not None:
             if not harmless(value):
                 raise InvalidRequest(f"'{key}' is not supported by this server", param=key)
@@ -193,7 +196,7 @@ def _validate(
 ) -> tuple[Body, parameters.Values]:
     """The body's own fields, and its sampling keys read by the parameter table. `renames`: keys
     that are another name of a table key on this route (chat's max_completion_tokens)."""
-    kept = _without_refused(body)
+    kept = _without_refused(body, frozenset(model.model_fields))
     table = set(parameters.names(PROTOCOL))
     sampling_keys = {k: v for k, v in kept.items() if k in table}
     for key, name in (renames or {}).items():
@@ -240,6 +243,8 @@ class OpenAIRequest:
     logprobs: bool  # whether choices carry logprobs (the engine's k is in each request's params)
     token_ids: bool = False  # logprob tokens written "token_id:{id}" (vLLM's option)
     tools: bool = False  # whether the choices' text is read for tool calls
+    echo: bool = False  # completions: the prompt leads each choice's text and logprobs
+    prompt_logprobs: int | None = None  # vLLM's: the k of the answer's prompt_logprobs
 
 
 def _stream_flags(body: _Common) -> tuple[bool, bool]:
@@ -258,6 +263,7 @@ def _choices(
     n: int,
     sampling: SamplingParams,
     salt: str | None = None,
+    echo: bool = False,
 ) -> tuple[GenerateRequest, ...]:
     out = []
     for i, prompt in enumerate(prompts):
@@ -269,6 +275,7 @@ def _choices(
                 GenerateRequest(
                     rid, prompt.prompt, params, prompt.chat, messages=prompt.messages,
                     cache_salt=salt, prompt_ids=prompt.prompt_ids, tools=prompt.tools,
+                    echo=echo,
                 )
             )  # fmt: skip
     return tuple(out)
@@ -279,16 +286,36 @@ def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
     n = parsed.n or 1
     if parsed.best_of is not None and parsed.best_of != n:
         raise InvalidRequest(f"'best_of' must equal n ({n}) on this server", param="best_of")
-    sampling = replace(values.sampling, logprobs=parsed.logprobs)
+    echo = bool(parsed.echo)
     stream, include_usage = _stream_flags(parsed)
+    asked = _check_prompt_logprobs(values.sampling, stream, echo)
+    scored = asked  # the engine scores the prompt for prompt_logprobs and for echo's logprobs
+    if echo and parsed.logprobs is not None:
+        scored = max(parsed.logprobs, asked or 0)
+    sampling = replace(values.sampling, logprobs=parsed.logprobs, prompt_logprobs=scored)
     base = f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(base, parsed.prompt)
     return OpenAIRequest(
         "completion", base, parsed.model, int(time.time()), n,
-        _choices(base, prompts, n, sampling, values.cache_salt), stream, include_usage,
+        _choices(base, prompts, n, sampling, values.cache_salt, echo), stream, include_usage,
         parsed.logprobs is not None,
-        bool(parsed.return_tokens_as_token_ids),
+        bool(parsed.return_tokens_as_token_ids), echo=echo, prompt_logprobs=asked,
     )  # fmt: skip
+
+
+def _check_prompt_logprobs(sampling: SamplingParams, stream: bool, echo: bool) -> int | None:
+    """max_tokens 0 only with echo (vLLM refuses it otherwise), prompt_logprobs not with
+    stream (as vLLM); the prompt_logprobs asked for."""
+    if sampling.max_tokens == 0 and not echo:
+        raise InvalidRequest(
+            "'max_tokens' must be at least 1 (0 only with echo: true, on completions)",
+            param="max_tokens",
+        )
+    if stream and sampling.prompt_logprobs is not None:
+        raise InvalidRequest(
+            "'prompt_logprobs' is not available with stream: true", param="prompt_logprobs"
+        )
+    return sampling.prompt_logprobs
 
 
 def _prompts(base: str, prompt: Any) -> list[GenerateRequest]:
@@ -433,6 +460,7 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
     k = (parsed.top_logprobs or 0) if parsed.logprobs else None
     tools, sampling = _tool_setup(parsed, replace(values.sampling, logprobs=k))
     stream, include_usage = _stream_flags(parsed)
+    asked = _check_prompt_logprobs(sampling, stream, echo=False)
     messages = _conversation(parsed.messages)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     if len(messages) == 1 and messages[0]["role"] == "user":
@@ -447,5 +475,5 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
         _choices(base, [prompt], n, sampling, values.cache_salt), stream, include_usage,
         k is not None,
         bool(parsed.return_tokens_as_token_ids),
-        tools is not None,
+        tools is not None, prompt_logprobs=asked,
     )  # fmt: skip

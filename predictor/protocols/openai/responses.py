@@ -31,7 +31,15 @@ from pydantic import BaseModel
 
 from predictor.engine import tool_calls
 from predictor.protocols.openai.requests import OpenAIRequest
-from predictor.types import Completion, FinishReason, TokenEvent, TokenLogprob, Usage
+from predictor.types import (
+    Completion,
+    FinishReason,
+    PromptEcho,
+    PromptToken,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
 from predictor.types import TopLogprob as OurTopLogprob
 
 OWNER = "gptq-predictor"
@@ -109,27 +117,69 @@ def _top_k(request: OpenAIRequest) -> int:
     return request.choices[0].params.logprobs or 0
 
 
-def _text(request: OpenAIRequest, token: TokenLogprob | OurTopLogprob) -> str:
+def _text(request: OpenAIRequest, token: TokenLogprob | OurTopLogprob | PromptToken) -> str:
     return f"token_id:{token.token_id}" if request.token_ids else token.token
 
 
 def completion_logprobs(
-    request: OpenAIRequest, tokens: Sequence[TokenLogprob], offset: int = 0
+    request: OpenAIRequest,
+    tokens: Sequence[TokenLogprob],
+    offset: int = 0,
+    prompt: PromptEcho | None = None,
 ) -> Logprobs:
-    """The legacy shape: parallel lists; text_offset counts characters of the generated text."""
+    """The legacy shape: parallel lists; text_offset counts characters of the choice's text.
+    With echo (`prompt`), the prompt's tokens lead, the first with null logprob and
+    top_logprobs (nothing precedes it), as OpenAI and vLLM send them."""
+    k = _top_k(request)
+    scored: list[PromptToken | TokenLogprob] = [*(prompt.logprobs if prompt else ()), *tokens]
     offsets = []
-    for t in tokens:
+    for t in scored:
         offsets.append(offset)
         offset += len(t.token)
     top = (
-        [{_text(request, x): x.logprob for x in t.top} for t in tokens] if _top_k(request) else None
+        [
+            None if t.logprob is None else {_text(request, x): x.logprob for x in t.top[:k]}
+            for t in scored
+        ]
+        if k
+        else None
     )
-    return Logprobs(
-        tokens=[_text(request, t) for t in tokens],
-        token_logprobs=[t.logprob for t in tokens],
+    # model_construct: the SDK's type has no null entries, OpenAI's echo sends them
+    return Logprobs.model_construct(
+        tokens=[_text(request, t) for t in scored],
+        token_logprobs=[t.logprob for t in scored],
         top_logprobs=top,
         text_offset=offsets,
     )
+
+
+def prompt_logprobs(request: OpenAIRequest, prompt: PromptEcho | None) -> list[Any]:
+    """vLLM's prompt_logprobs: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the k most likely at its position."""
+    k = request.prompt_logprobs or 0
+    out: list[Any] = []
+    for t in prompt.logprobs if prompt is not None else ():
+        if t.logprob is None:
+            out.append(None)
+            continue
+        entry = {str(t.token_id): _prompt_entry(request, t, t.logprob, t.rank)}
+        for rank, x in enumerate(t.top[:k], start=1):
+            entry.setdefault(str(x.token_id), _prompt_entry(request, x, x.logprob, rank))
+        out.append(entry)
+    return out
+
+
+def _prompt_entry(
+    request: OpenAIRequest, token: PromptToken | OurTopLogprob, logprob: float, rank: int | None
+) -> dict[str, Any]:
+    return {"logprob": logprob, "rank": rank, "decoded_token": _text(request, token)}
+
+
+def _choice_extras(request: OpenAIRequest, c: Completion) -> dict[str, Any]:
+    """Fields beyond OpenAI's on a choice (vLLM's prompt_logprobs), when asked for."""
+    if request.prompt_logprobs is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs(request, c.prompt)}
 
 
 def chat_logprobs(
@@ -156,9 +206,14 @@ def completion_response(request: OpenAIRequest, results: Sequence[Completion]) -
     choices = [
         CompletionChoice(
             index=i,
-            text=c.text,
+            text=(c.prompt.text if request.echo and c.prompt else "") + c.text,
             finish_reason=finish_name(c.finish_reason),
-            logprobs=completion_logprobs(request, c.logprobs) if request.logprobs else None,
+            logprobs=(
+                completion_logprobs(request, c.logprobs, 0, c.prompt if request.echo else None)
+                if request.logprobs
+                else None
+            ),
+            **_choice_extras(request, c),
         )
         for i, c in enumerate(results)
     ]
@@ -195,6 +250,7 @@ def chat_response(request: OpenAIRequest, results: Sequence[Completion]) -> str:
         model=request.model,
         choices=choices,
         usage=_usage(request, [c.usage for c in results]),
+        **_choice_extras(request, results[0]),  # vLLM: chat's prompt_logprobs is top-level
     )
     return dump(body)
 
@@ -232,7 +288,8 @@ class ChunkEncoder:
     def event(self, index: int, event: TokenEvent) -> str | None:
         """The chunk for one event of choice `index`, or None when it carries nothing yet."""
         self._pending[index].extend(event.logprobs)
-        if not event.text and not event.final:
+        prompt = event.prompt if self.request.echo else None  # echo: the prompt goes first
+        if not event.text and not event.final and prompt is None:
             return None
         tokens, self._pending[index] = self._pending[index], []
         finish = finish_name(event.finish_reason) if event.finish_reason is not None else None
@@ -260,12 +317,14 @@ class ChunkEncoder:
             )
         logprobs_body = None
         if self.request.logprobs:
-            logprobs_body = completion_logprobs(self.request, tokens, self._offsets[index])
-            self._offsets[index] += sum(len(t.token) for t in tokens)
+            logprobs_body = completion_logprobs(self.request, tokens, self._offsets[index], prompt)
+            echoed = sum(len(t.token) for t in prompt.logprobs) if prompt is not None else 0
+            self._offsets[index] += echoed + sum(len(t.token) for t in tokens)
         # OpenAI streams `finish_reason: null` until the end; the SDK's type allows only the
         # final values, so the choice is built unvalidated (every field still set by name).
+        text = (prompt.text if prompt is not None else "") + event.text
         choice = CompletionChoice.model_construct(
-            index=index, text=event.text, finish_reason=finish, logprobs=logprobs_body
+            index=index, text=text, finish_reason=finish, logprobs=logprobs_body
         )
         return dump(self._completion_chunk([choice]))
 

@@ -162,7 +162,10 @@ def test_chat_refusals_name_the_field(change: dict[str, Any], param: str) -> Non
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"echo": True}, "echo"),
+        ({"echo": 1}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),  # only with echo
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ({"best_of": 3}, "best_of"),
         ({"suffix": "end"}, "suffix"),
         ({"prompt": [1, "a"]}, "prompt"),
@@ -192,3 +195,20 @@ def test_schemas_are_self_contained() -> None:
         assert "$ref" not in str(schema) and "$defs" not in schema
         assert schema["additionalProperties"] is False
     assert CHAT_SCHEMA["properties"]["messages"]["items"]["properties"]["role"]["enum"]
+
+
+def test_echo_asks_the_engine_to_score_the_prompt() -> None:
+    body = {"model": "m", "prompt": "x", "echo": True, "logprobs": 3}
+    request = decode_completion(body, 16)
+    assert request.echo and request.prompt_logprobs is None
+    assert all(c.echo and c.params.prompt_logprobs == 3 for c in request.choices)
+    request = decode_completion(body | {"prompt_logprobs": 5, "max_tokens": 0}, 16)
+    assert request.prompt_logprobs == 5 and request.choices[0].params.prompt_logprobs == 5
+    assert request.choices[0].params.max_tokens == 0
+    bare = decode_completion({"model": "m", "prompt": "x", "echo": True}, 16)
+    assert bare.choices[0].params.prompt_logprobs is None  # echo without logprobs: text only
+    chat = decode_chat(CHAT | {"prompt_logprobs": 2}, 16)
+    assert chat.prompt_logprobs == 2 and chat.choices[0].params.prompt_logprobs == 2
+    with pytest.raises(InvalidField) as info:
+        decode_chat(CHAT | {"echo": True}, 16)  # vLLM's chat echo means something else
+    assert info.value.param == "echo"
