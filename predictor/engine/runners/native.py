@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_attention.c")
 INT4_SOURCE = Path(__file__).with_name("int4_matmul.c")
 LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
+INT8_SOURCE = Path(__file__).with_name("int8_matmul.c")
 # instruction set -> (CPU flags it needs, compiler flags, -D constants); widest first
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2")
@@ -256,6 +257,58 @@ def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
     width = int(lib.int4_vector_width())
     logger.info("native int4 matmul compiled (%s, %d columns a vector)", isa, width)
     return Int4Kernel(isa, width, threaded, repack, matmul)
+
+
+@dataclass(frozen=True)
+class Int8Kernel:
+    """The compiled 8-bit matmul (lm_head) for one instruction set (see int8_matmul.c)."""
+
+    isa: str
+    # weights (bf16 [n][k]), n, k, out
+    quantize: Callable[[int, int, int, int], None]
+    # x, rows, k, w, n, out (fp32), out_stride, threads, int8 -> 0 (< 0: no memory, k % 32)
+    matmul: Callable[[int, int, int, int, int, int, int, int, int], int]
+    # w, n, k, ids (int64), count, out (bf16 [count][k]) -> 0 (-1: an id outside [0, n))
+    rows: Callable[[int, int, int, int, int, int], int]
+    nbytes: Callable[[int, int], int]
+
+
+_INT8: dict[str, Int8Kernel] = {}
+
+
+def int8_matmul(isa: str, cache_dir: Path | None = None) -> Int8Kernel:
+    """int8_matmul.c built for `isa` (once a process, as int4_matmul); NativeUnavailable if this
+    CPU lacks it or no build works."""
+    if isa not in _INT8:
+        _INT8[isa] = _int8_matmul(isa, cache_dir)
+    return _INT8[isa]
+
+
+def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
+    if isa not in ISAS:
+        raise NativeUnavailable(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
+    needs, arch, defines = ISAS[isa]
+    missing = sorted(set(needs) - cpu_flags())
+    if missing:
+        raise NativeUnavailable(f"this CPU lacks {', '.join(missing)} for the {isa} kernel")
+    compiler = _compiler()
+    try:
+        lib = _build(compiler, defines, INT8_SOURCE, [[*arch, "-fopenmp"], arch], cache_dir)
+    except OSError as error:
+        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    quantize, matmul, rows, nbytes = lib.int8_quantize, lib.int8_matmul, lib.int8_rows, lib.int8_bytes
+    quantize.restype = None
+    quantize.argtypes = [pointer, integer, integer, pointer]
+    matmul.restype = ctypes.c_int
+    matmul.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer, integer]
+    matmul.argtypes += [integer]
+    rows.restype = ctypes.c_int
+    rows.argtypes = [pointer, integer, integer, pointer, integer, pointer]
+    nbytes.restype = ctypes.c_size_t
+    nbytes.argtypes = [integer, integer]
+    logger.info("native int8 matmul compiled (%s)", isa)
+    return Int8Kernel(isa, quantize, matmul, rows, nbytes)
 
 
 @dataclass(frozen=True)
