@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from predictor.config import ATTENTION, FUSED_KERNELS
-from predictor.engine.runners import autotune
+from predictor.engine.runners import autotune, memory
 from predictor.engine.runners.int4_linear import (
     FusedLayer,
     Kernel,
@@ -176,6 +176,9 @@ class ModelRunner:
         )  # fmt: skip
         release_repack_tables()
         autotune.log_choices(self.choices, threads)
+        advised = memory.release_mapped_weights()
+        memory.trim_heap()
+        logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
 
     @property
     def cache_bytes(self) -> int:
