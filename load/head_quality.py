@@ -41,7 +41,9 @@ def native_head(module: Any, name: str) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--checkpoint", type=Path, default=REPO / "models/smollm2-135m-instruct-gptq")
+    parser.add_argument(
+        "--checkpoint", type=Path, default=REPO / "models/smollm2-135m-instruct-gptq"
+    )
     parser.add_argument("--reference", type=Path, default=REPO / "models/smollm2-135m-instruct-fp")
     parser.add_argument("--heads", nargs="+", default=["module", "int8_i8", "int8_f32"])
     args = parser.parse_args()

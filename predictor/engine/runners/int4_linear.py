@@ -119,6 +119,8 @@ class Int4Linear(torch.nn.Module):
             # the native layout serves: torch's int4pack copy goes (a later plan may then use
             # only the kernels built by now)
             self.qweight = torch.empty(0, dtype=self.qweight.dtype)
+            if PREPACKED not in kernels:  # nor do the scales and zeros, read only at building
+                self.scales_and_zeros = torch.empty(0, dtype=self.scales_and_zeros.dtype)
 
     def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
         if not self.qweight.numel():

@@ -297,7 +297,12 @@ def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
     except OSError as error:
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    quantize, matmul, rows, nbytes = lib.int8_quantize, lib.int8_matmul, lib.int8_rows, lib.int8_bytes
+    quantize, matmul, rows, nbytes = (
+        lib.int8_quantize,
+        lib.int8_matmul,
+        lib.int8_rows,
+        lib.int8_bytes,
+    )
     quantize.restype = None
     quantize.argtypes = [pointer, integer, integer, pointer]
     matmul.restype = ctypes.c_int
