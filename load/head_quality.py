@@ -67,10 +67,11 @@ def main() -> None:
         reports[head] = evaluate.evaluate(args.checkpoint, args.reference, kernel="auto")
         evaluate.load_candidate = original
         report = reports[head]
-        print(f"{chosen.get(head, head)}: test ppl {report.checkpoint.perplexity:.4f} "
-              f"(ratio {report.ratio:.4f}), validation ppl "
-              f"{report.checkpoint.validation_perplexity:.4f} (ratio {report.validation_ratio:.4f}), "
-              f"agreement with the fp reference {report.agreed}/{report.compared}", flush=True)  # fmt: skip
+        scored = report.checkpoint
+        print(f"{chosen.get(head, head)}: test ppl {scored.perplexity:.4f} "
+              f"(ratio {report.ratio:.4f}), validation ppl {scored.validation_perplexity:.4f} "
+              f"(ratio {report.validation_ratio:.4f}), agreement with the fp reference "
+              f"{report.agreed}/{report.compared}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory
 FEW_LAYERS = 4  # past it, this many
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
 # Kernels that hold a copy of the weights besides the 4-bit ones (a bf16 expansion: 4x the
-# int4 bytes; lm_head's fp32, prepacked or int8 copy) win a bucket only this much faster than the best kernel
-# without one (or with one a smaller bucket already holds): a policy on memory, not a speed
-# measured anywhere.
+# int4 bytes; lm_head's fp32, prepacked or int8 copy) win a bucket only this much faster than
+# the best kernel without one (or with one a smaller bucket already holds): a policy on memory,
+# not a speed measured anywhere.
 COPIES = ("prepacked_bf16", "fp32", "int8_")  # names, or prefixes of names
 COPY_MARGIN = 1.15
 

@@ -4,9 +4,10 @@ Two kinds of pages stay resident after the autotune for nothing:
 - the checkpoint's weights as transformers mapped them from the `.safetensors` file: every
   tensor is a view of one private file mapping, whose pages were all read once (the int4
   repacking, the lm_head copies) and then stay counted in RSS while any view lives (the tied
-  embedding does). `release_mapped_weights` tells the kernel it may drop them
-  (madvise MADV_DONTNEED; only pages never written, as /proc/self/pagemap tells): clean file pages, read again from the page cache where touched (the
-  embedding rows a step looks up), so every tensor keeps working;
+  embedding does). `release_mapped_weights` tells the kernel it may drop them (madvise
+  MADV_DONTNEED; only pages never written, as /proc/self/pagemap tells): clean file pages,
+  read again from the page cache where touched (the embedding rows a step looks up), so every
+  tensor keeps working;
 - the heap the autotune's losing candidates used (each layer's bf16 copies are a few MB, below
   glibc's mmap threshold, so freeing them leaves the heap large): `trim_heap` (malloc_trim).
 

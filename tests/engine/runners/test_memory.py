@@ -51,5 +51,6 @@ def test_empty_tensors_empties_buffers_parameters_and_attributes() -> None:
     module.table = torch.ones(7, dtype=torch.int32)
     memory.empty_tensors(module)
     assert module.weight.numel() == 0 and module.weight.dtype == torch.float32
-    assert module.codes.numel() == 0 and module.codes.dtype == torch.uint8
+    codes = module.get_buffer("codes")
+    assert codes.numel() == 0 and codes.dtype == torch.uint8
     assert module.table.numel() == 0 and module.table.dtype == torch.int32
