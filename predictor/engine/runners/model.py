@@ -279,7 +279,7 @@ class ModelRunner:
         n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
         fused = self._fused[index]
         if fused is not None:
-            qkv = fused.qkv(hidden)
+            qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
         else:
             qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
         pool = self._pools[index]
@@ -310,6 +310,7 @@ class ModelRunner:
                 self.scale,
                 out.data_ptr(),
                 scratch.data_ptr(),
+                torch.get_num_threads(),  # --threads, on the step thread
             )
         elif plan.decode_rows:
             # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
@@ -338,14 +339,14 @@ class ModelRunner:
                 enable_gqa=heads != kv_heads,
             )
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
-        return fused.o(out) if fused is not None else attn.o_proj(out)
+        return fused.o.forward(out) if fused is not None else attn.o_proj(out)
 
     def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
         fused = self._fused[index]
         if fused is None:
             return mlp(hidden)
         if self._ops is not None:
-            return fused.down(self._ops.silu_mul(fused.gate_up(hidden)))
+            return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
         gate, up = fused.gate_up.split(fused.gate_up(hidden))
         return fused.down(mlp.act_fn(gate) * up)
 

@@ -65,8 +65,13 @@ ISAS: dict[str, tuple[tuple[str, ...], list[str], list[str]]] = {
 assert tuple(ISAS) == NATIVE_ISAS, "config.NATIVE_ISAS names these instruction sets"
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
-# q, q_stride, pool, slots, tables, table_width, lengths, rows, kv_heads, scale, out, scratch
-DecodeAttention = Callable[[int, int, int, int, int, int, int, int, int, float, int, int], None]
+# q, q_stride, pool, slots, tables, table_width, lengths, rows, kv_heads, scale, out, scratch,
+# threads
+DecodeAttention = Callable[
+    [int, int, int, int, int, int, int, int, int, float, int, int, int], None
+]
+# OpenMP first (--threads > 1 splits the rows), then without, each -march=native first
+THREADED = (["-march=native", "-fopenmp"], ["-march=native"], [])
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,14 +80,18 @@ def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttent
     it cannot be built here."""
     compiler = _compiler()
     try:
-        lib = _build(compiler, [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"])
+        lib = _build(
+            compiler,
+            [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"],
+            variants=THREADED,
+        )
     except OSError as error:  # no writable temp folder, a noexec one, ...
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
     function = lib.decode_attention_bf16
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.restype = None
     function.argtypes = [pointer, integer, pointer, integer, pointer, integer, pointer]
-    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer]
+    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer, integer]
     logger.info("native decode attention compiled (head_dim %d, group %d)", head_dim, group)
     kernel: DecodeAttention = function
     return kernel
@@ -320,12 +329,12 @@ def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
 class LayerOps:
     """layer_ops.c for one head_dim: a layer's norms, rotary + cache write and SwiGLU."""
 
-    # hidden, delta (0: none), weight, eps, out, rows, dim
-    add_rms_norm: Callable[[int, int | None, int, float, int, int, int], None]
-    # qkv, n, heads, kv_heads, cos, sin, pool, slots, slots_of
-    rope_write: Callable[[int, int, int, int, int, int, int, int, int], None]
-    # gate_up, n, inner, out
-    silu_mul: Callable[[int, int, int, int], None]
+    # hidden, delta (0: none), weight, eps, out, rows, dim, threads
+    add_rms_norm: Callable[[int, int | None, int, float, int, int, int, int], None]
+    # qkv, n, heads, kv_heads, cos, sin, pool, slots, slots_of, threads
+    rope_write: Callable[[int, int, int, int, int, int, int, int, int, int], None]
+    # gate_up, n, inner, out, threads
+    silu_mul: Callable[[int, int, int, int, int], None]
 
 
 @functools.lru_cache(maxsize=4)
@@ -333,15 +342,15 @@ def layer_ops(head_dim: int) -> LayerOps:
     """layer_ops.c compiled for this head_dim; NativeUnavailable if it cannot be built here."""
     compiler = _compiler()
     try:
-        lib = _build(compiler, [f"-DDIM={head_dim}"], LAYER_SOURCE)
+        lib = _build(compiler, [f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED)
     except OSError as error:
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     norm, rope, silu = lib.add_rms_norm, lib.rope_write, lib.silu_mul
-    norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer]
+    norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer, integer]
     rope.argtypes = [pointer, integer, integer, integer, pointer, pointer, pointer, integer]
-    rope.argtypes += [pointer]
-    silu.argtypes = [pointer, integer, integer, pointer]
+    rope.argtypes += [pointer, integer]
+    silu.argtypes = [pointer, integer, integer, pointer, integer]
     for function in (norm, rope, silu):
         function.restype = None
     logger.info("native layer ops compiled (head_dim %d)", head_dim)
