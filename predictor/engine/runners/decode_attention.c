@@ -115,15 +115,15 @@ static void attend(const uint16_t *q, int64_t q_stride, const uint16_t *pool, in
     }
 }
 
-/* threads > 1 (built with OpenMP): the (row, kv head) pairs split over that many threads, each
-   with its own scores on its stack; else the calling thread with `scratch`. */
+/* threads > 1 and several rows (built with OpenMP): the (row, kv head) pairs split over that
+   many threads, each with its own scores on its stack; else the calling thread with `scratch`. */
 void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool,
                            int64_t slots, const int64_t *tables, int64_t table_width,
                            const int64_t *lengths, int64_t rows, int64_t kv_heads, float scale,
                            uint16_t *out, float *scratch, int64_t threads) {
     const int64_t pairs = rows * kv_heads;
 #ifdef _OPENMP
-    if (threads > 1 && pairs > 1) {
+    if (threads > 1 && rows > 1) { /* one row: its few heads are not worth a team's wake-up */
         int64_t longest = 1;
         for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
 #pragma omp parallel num_threads((int)threads)
