@@ -71,7 +71,7 @@ DecodeAttention = Callable[
     [int, int, int, int, int, int, int, int, int, float, int, int, int], None
 ]
 # OpenMP first (--threads > 1 splits the rows), then without, each -march=native first
-THREADED = (["-march=native", "-fopenmp"], ["-march=native"], [])
+THREADED: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-march=native"], [])
 
 
 @functools.lru_cache(maxsize=8)
