@@ -52,6 +52,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
                 attention=settings.attention,
                 kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
                 autotune_cache=settings.autotune_dir,
+                release_model_weights=True,  # only the runner runs the served model
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc

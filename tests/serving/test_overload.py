@@ -16,7 +16,7 @@ from tests.serving.test_grpc_stream import running_requests, wait_idle
 from tests.serving.test_v2_grpc import infer_request
 from tests.support import ServerProcess
 
-# holds its row for 900 steps of the tiny model (a few seconds), never ending early
+# holds its row for 900 steps of the tiny model, never ending early
 LONG = {"text_input": "Go on", "parameters": {"max_tokens": 900, "ignore_eos": True}}
 
 
@@ -35,15 +35,16 @@ def waiting_requests(server: ServerProcess) -> float:
 
 
 def hold(server: ServerProcess, stop: threading.Event) -> None:
-    with (
-        httpx.Client(timeout=60) as client,
-        client.stream(
-            "POST", f"{server.base_url}/v2/models/tiny/generate_stream", json=LONG
-        ) as response,
-    ):
-        for _ in response.iter_lines():
-            if stop.is_set():
-                return
+    """Keep one row (running or waiting) until `stop`: LONG again as soon as it ends (its 900
+    steps of the tiny model take under a second with the native kernels)."""
+    with httpx.Client(timeout=60) as client:
+        while not stop.is_set():
+            with client.stream(
+                "POST", f"{server.base_url}/v2/models/tiny/generate_stream", json=LONG
+            ) as response:
+                for _ in response.iter_lines():
+                    if stop.is_set():
+                        return
 
 
 def test_full_queue_gets_429_and_resource_exhausted_at_once(small: ServerProcess) -> None:

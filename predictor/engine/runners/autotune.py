@@ -33,14 +33,15 @@ from predictor.engine.runners.int4_linear import Int4Linear, Kernel, head_candid
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 2  # of the cache file's contents and the choosing rule
+VERSION = 3  # of the cache file's contents and the choosing rule
 ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
 # Kernels that hold a copy of the weights besides the 4-bit ones (a bf16 expansion: 4x the
-# int4 bytes; lm_head's fp32 copy) win a bucket only this much faster than the best kernel
-# without one: a policy on memory, not a speed measured anywhere.
-COPIES = frozenset({"prepacked_bf16", "fp32"})
+# int4 bytes; lm_head's fp32, prepacked or int8 copy) win a bucket only this much faster than
+# the best kernel without one (or with one a smaller bucket already holds): a policy on memory,
+# not a speed measured anywhere.
+COPIES = ("prepacked_bf16", "fp32", "int8_")  # names, or prefixes of names
 COPY_MARGIN = 1.15
 
 
@@ -75,7 +76,8 @@ def cache_key(identity: dict[str, Any]) -> str:
 
 
 def _source_digest() -> str:
-    return hashlib.sha256(native.INT4_SOURCE.read_bytes()).hexdigest()[:16]
+    sources = native.INT4_SOURCE.read_bytes() + native.INT8_SOURCE.read_bytes()
+    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 def tune(
@@ -194,8 +196,10 @@ def _buckets(
         timed = {name: _time(layers, x) for name, layers in kernels.items()}
         figures[str(rows)] = {name: round(seconds * 1e3, 4) for name, seconds in timed.items()}
         best = min(timed, key=lambda name: timed[name])
-        lean = [name for name in timed if name not in COPIES]
-        if best in COPIES and lean:
+        # a copy already held for a smaller bucket costs nothing more
+        held = {name for _, name in plan}
+        lean = [name for name in timed if not _copy(name) or name in held]
+        if best not in lean and lean:
             runner_up = min(lean, key=lambda name: timed[name])
             if timed[runner_up] < timed[best] * COPY_MARGIN:
                 best = runner_up
@@ -217,6 +221,10 @@ def _time(layers: list[Kernel], x: torch.Tensor) -> float:
             layer(x)
         best = min(best, time.perf_counter() - start)
     return best * len(layers) / len(use)
+
+
+def _copy(name: str) -> bool:
+    return name.startswith(COPIES)
 
 
 def log_choices(choices: Choices, threads: int) -> None:

@@ -58,62 +58,87 @@ static inline void prefetch_block(const uint16_t *block) {
     for (int c = 0; c < BLOCK * DIM * 2; c += 64) __builtin_prefetch(bytes + c);
 }
 
-void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool,
-                           int64_t slots, const int64_t *tables, int64_t table_width,
-                           const int64_t *lengths, int64_t rows, int64_t kv_heads, float scale,
-                           uint16_t *out, float *scratch) {
+/* Row r's kv head h: its GROUP query heads against the row's keys and values. */
+static void attend(const uint16_t *q, int64_t q_stride, const uint16_t *pool, int64_t slots,
+                   const int64_t *tables, int64_t table_width, const int64_t *lengths,
+                   int64_t r, int64_t h, int64_t kv_heads, float scale, uint16_t *out,
+                   float *scratch) {
     const int64_t heads = kv_heads * GROUP;
     float query[GROUP][DIM], acc[GROUP][DIM], row[DIM];
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t length = lengths[r];
-        const int64_t *table = tables + r * table_width;
-        for (int64_t h = 0; h < kv_heads; h++) {
-            const uint16_t *keys = pool + h * slots * DIM;
-            const uint16_t *values = pool + (kv_heads + h) * slots * DIM;
-            float best[GROUP], total[GROUP];
+    const int64_t length = lengths[r];
+    const int64_t *table = tables + r * table_width;
+    const uint16_t *keys = pool + h * slots * DIM;
+    const uint16_t *values = pool + (kv_heads + h) * slots * DIM;
+    float best[GROUP], total[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        const uint16_t *src = q + r * q_stride + (h * GROUP + g) * DIM;
+        for (int i = 0; i < DIM; i++) query[g][i] = from_bf16(src[i]) * scale;
+        best[g] = -3.0e38f;
+    }
+    for (int64_t b = 0, l = 0; l < length; b++) { /* scores, block by block */
+        const uint16_t *block = keys + table[b] * BLOCK * DIM;
+        if (l + BLOCK < length) prefetch_block(keys + table[b + 1] * BLOCK * DIM);
+        for (int j = 0; j < BLOCK && l < length; j++, l++) {
+            for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
             for (int g = 0; g < GROUP; g++) {
-                const uint16_t *src = q + r * q_stride + (h * GROUP + g) * DIM;
-                for (int i = 0; i < DIM; i++) query[g][i] = from_bf16(src[i]) * scale;
-                best[g] = -3.0e38f;
-            }
-            for (int64_t b = 0, l = 0; l < length; b++) { /* scores, block by block */
-                const uint16_t *block = keys + table[b] * BLOCK * DIM;
-                if (l + BLOCK < length) prefetch_block(keys + table[b + 1] * BLOCK * DIM);
-                for (int j = 0; j < BLOCK && l < length; j++, l++) {
-                    for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
-                    for (int g = 0; g < GROUP; g++) {
-                        float s = 0.0f;
-                        for (int i = 0; i < DIM; i++) s += query[g][i] * row[i];
-                        scratch[g * length + l] = s;
-                        if (s > best[g]) best[g] = s;
-                    }
-                }
-            }
-            for (int g = 0; g < GROUP; g++) { /* softmax numerators and their sums */
-                float *p = scratch + g * length, sum = 0.0f;
-                for (int64_t l = 0; l < length; l++) {
-                    p[l] = exp_nonpositive(p[l] - best[g]);
-                    sum += p[l];
-                }
-                total[g] = sum;
-                for (int i = 0; i < DIM; i++) acc[g][i] = 0.0f;
-            }
-            for (int64_t b = 0, l = 0; l < length; b++) { /* the values, weighted */
-                const uint16_t *block = values + table[b] * BLOCK * DIM;
-                if (l + BLOCK < length) prefetch_block(values + table[b + 1] * BLOCK * DIM);
-                for (int j = 0; j < BLOCK && l < length; j++, l++) {
-                    for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
-                    for (int g = 0; g < GROUP; g++) {
-                        const float p = scratch[g * length + l];
-                        for (int i = 0; i < DIM; i++) acc[g][i] += p * row[i];
-                    }
-                }
-            }
-            for (int g = 0; g < GROUP; g++) {
-                uint16_t *dst = out + r * heads * DIM + (h * GROUP + g) * DIM;
-                const float inverse = 1.0f / total[g];
-                for (int i = 0; i < DIM; i++) dst[i] = to_bf16(acc[g][i] * inverse);
+                float s = 0.0f;
+                for (int i = 0; i < DIM; i++) s += query[g][i] * row[i];
+                scratch[g * length + l] = s;
+                if (s > best[g]) best[g] = s;
             }
         }
     }
+    for (int g = 0; g < GROUP; g++) { /* softmax numerators and their sums */
+        float *p = scratch + g * length, sum = 0.0f;
+        for (int64_t l = 0; l < length; l++) {
+            p[l] = exp_nonpositive(p[l] - best[g]);
+            sum += p[l];
+        }
+        total[g] = sum;
+        for (int i = 0; i < DIM; i++) acc[g][i] = 0.0f;
+    }
+    for (int64_t b = 0, l = 0; l < length; b++) { /* the values, weighted */
+        const uint16_t *block = values + table[b] * BLOCK * DIM;
+        if (l + BLOCK < length) prefetch_block(values + table[b + 1] * BLOCK * DIM);
+        for (int j = 0; j < BLOCK && l < length; j++, l++) {
+            for (int i = 0; i < DIM; i++) row[i] = from_bf16(block[j * DIM + i]);
+            for (int g = 0; g < GROUP; g++) {
+                const float p = scratch[g * length + l];
+                for (int i = 0; i < DIM; i++) acc[g][i] += p * row[i];
+            }
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        uint16_t *dst = out + r * heads * DIM + (h * GROUP + g) * DIM;
+        const float inverse = 1.0f / total[g];
+        for (int i = 0; i < DIM; i++) dst[i] = to_bf16(acc[g][i] * inverse);
+    }
+}
+
+/* threads > 1 and several rows (built with OpenMP): the (row, kv head) pairs split over that
+   many threads, each with its own scores on its stack; else the calling thread with `scratch`. */
+void decode_attention_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *pool,
+                           int64_t slots, const int64_t *tables, int64_t table_width,
+                           const int64_t *lengths, int64_t rows, int64_t kv_heads, float scale,
+                           uint16_t *out, float *scratch, int64_t threads) {
+    const int64_t pairs = rows * kv_heads;
+#ifdef _OPENMP
+    if (threads > 1 && rows > 1) { /* one row: its few heads are not worth a team's wake-up */
+        int64_t longest = 1;
+        for (int64_t r = 0; r < rows; r++) longest = lengths[r] > longest ? lengths[r] : longest;
+#pragma omp parallel num_threads((int)threads)
+        {
+            float mine[GROUP * longest];
+#pragma omp for schedule(dynamic)
+            for (int64_t i = 0; i < pairs; i++)
+                attend(q, q_stride, pool, slots, tables, table_width, lengths, i / kv_heads,
+                       i % kv_heads, kv_heads, scale, out, mine);
+        }
+        return;
+    }
+#endif
+    (void)threads;
+    for (int64_t i = 0; i < pairs; i++)
+        attend(q, q_stride, pool, slots, tables, table_width, lengths, i / kv_heads, i % kv_heads,
+               kv_heads, scale, out, scratch);
 }

@@ -119,6 +119,8 @@ class Int4Linear(torch.nn.Module):
             # the native layout serves: torch's int4pack copy goes (a later plan may then use
             # only the kernels built by now)
             self.qweight = torch.empty(0, dtype=self.qweight.dtype)
+            if PREPACKED not in kernels:  # nor do the scales and zeros, read only at building
+                self.scales_and_zeros = torch.empty(0, dtype=self.scales_and_zeros.dtype)
 
     def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
         if not self.qweight.numel():
@@ -271,7 +273,57 @@ def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
     found["fp32"] = fp32
     if prepack_available():
         found[PREPACKED] = prepacked
+    if weight.shape[1] % 32 == 0:
+        for isa in native.usable_isas()[:1]:  # the widest, as for the int4 layers
+            table = _Int8Table(weight, isa)
+            for act in ("i8", "f32"):
+                found[f"{INT8_HEAD}_{act}_{isa}"] = functools.partial(table.kernel, act == "i8")
     return found
+
+
+INT8_HEAD = "int8"  # lm_head kernels int8_{i8|f32}_{isa}: int8_matmul.c over a Q8_0-like copy
+
+
+class _Int8Table:
+    """A bf16 [n, k] weight quantized once to int8_matmul.c's layout (per 32 inputs of a row, a
+    bf16 scale: llama.cpp's Q8_0), built at the first kernel asked for; shared by both kinds of
+    activations."""
+
+    def __init__(self, weight: torch.Tensor, isa: str) -> None:
+        self._weight = weight
+        self.isa = isa
+        self.packed: torch.Tensor | None = None
+        self.n, self.k = int(weight.shape[0]), int(weight.shape[1])
+
+    def build(self) -> native.Int8Kernel:
+        try:
+            compiled = native.int8_matmul(self.isa)
+        except native.NativeUnavailable as error:
+            raise ValueError(str(error)) from error
+        if self.packed is None:
+            source = self._weight.detach().contiguous()
+            packed = torch.empty(compiled.nbytes(self.n, self.k), dtype=torch.uint8)
+            compiled.quantize(source.data_ptr(), self.n, self.k, packed.data_ptr())
+            self.packed = packed
+        return compiled
+
+    def kernel(self, int8: bool) -> Kernel:
+        compiled = self.build()
+        packed, n, k, matmul = self.packed, self.n, self.k, compiled.matmul
+        assert packed is not None
+        flag = int(int8)
+
+        def run(x: torch.Tensor) -> torch.Tensor:  # [R, k] -> [R, n] fp32 logits
+            x = x.to(torch.bfloat16).contiguous()
+            rows = x.shape[0]
+            out = torch.empty((rows, n), dtype=torch.float32)
+            threads = torch.get_num_threads()
+            if rows and matmul(x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(), n,
+                               threads, flag):  # fmt: skip
+                raise MemoryError("int8_matmul: no memory for its activation buffer")
+            return out
+
+        return run
 
 
 def _reorder(weight: torch.Tensor) -> torch.Tensor | None:

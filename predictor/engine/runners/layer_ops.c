@@ -4,6 +4,7 @@
  * 576, measured), the rotary pass and the cache write 6 more, SwiGLU 3; 30 layers each. Here each
  * is one call of a few microseconds, rounding to bf16 once where torch rounds after each op.
  * DIM (head_dim) is a -D constant so the compiler unrolls and vectorises the head loops.
+ * threads > 1 (built with OpenMP): the rows split over that many threads (one row: one thread).
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,9 +48,13 @@ static inline float exp_approx(float x) {
 /* hidden [rows][dim] += delta (when not NULL), rounded to bf16 in place; then
    out = hidden * rsqrt(mean(hidden^2) + eps) * weight. */
 void add_rms_norm(uint16_t *hidden, const uint16_t *delta, const uint16_t *weight, float eps,
-                  uint16_t *out, int64_t rows, int64_t dim) {
-    float row[dim];
+                  uint16_t *out, int64_t rows, int64_t dim, int64_t threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? (int)threads : 1) if (threads > 1 && rows > 1)
+#endif
     for (int64_t r = 0; r < rows; r++) {
+        float row[dim];
         uint16_t *h = hidden + r * dim;
         float sum = 0.0f;
         if (delta) {
@@ -72,8 +77,13 @@ void add_rms_norm(uint16_t *hidden, const uint16_t *delta, const uint16_t *weigh
    cos and sin [n][DIM], as transformers' Llama), then token t's keys and values written to
    slot slots_of[t] of pool [2 kv_heads][slots][DIM] (keys of every kv head, then values). */
 void rope_write(uint16_t *qkv, int64_t n, int64_t heads, int64_t kv_heads, const uint16_t *cos,
-                const uint16_t *sin, uint16_t *pool, int64_t slots, const int64_t *slots_of) {
+                const uint16_t *sin, uint16_t *pool, int64_t slots, const int64_t *slots_of,
+                int64_t threads) {
     const int64_t width = heads + 2 * kv_heads, half = DIM / 2;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? (int)threads : 1) if (threads > 1 && n > 1)
+#endif
     for (int64_t t = 0; t < n; t++) {
         float c[DIM], s[DIM];
         for (int i = 0; i < DIM; i++) {
@@ -99,7 +109,12 @@ void rope_write(uint16_t *qkv, int64_t n, int64_t heads, int64_t kv_heads, const
 }
 
 /* out [n][inner] = silu(gate) * up, gate_up [n][2 inner]: gate columns first, then up */
-void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out) {
+void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out,
+              int64_t threads) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) num_threads(threads > 1 ? (int)threads : 1) if (threads > 1 && n > 1)
+#endif
     for (int64_t t = 0; t < n; t++) {
         const uint16_t *g = gate_up + t * 2 * inner, *u = g + inner;
         uint16_t *o = out + t * inner;

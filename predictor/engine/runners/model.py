@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from predictor.config import ATTENTION, FUSED_KERNELS
-from predictor.engine.runners import autotune
+from predictor.engine.runners import autotune, memory
 from predictor.engine.runners.int4_linear import (
     FusedLayer,
     Kernel,
@@ -55,6 +55,7 @@ class ModelRunner:
         attention: str = "auto",
         kernel: str = "auto",
         autotune_cache: Path | None = None,
+        release_model_weights: bool = False,
     ) -> None:
         """`attention`: how decode rows attend. "native": the C kernel of native.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
@@ -62,7 +63,12 @@ class ModelRunner:
 
         `kernel`: how the fused int4 projections run: "auto" (autotune.py measures the
         candidates per row-count bucket, at the first step or in `bind_thread`, and caches its
-        choices in `autotune_cache` when given) or one of config.FUSED_KERNELS for every step."""
+        choices in `autotune_cache` when given) or one of config.FUSED_KERNELS for every step.
+
+        `release_model_weights`: once tuned, empty the model's own 4-bit modules where every
+        layer is fused (the runner reads only its own layouts; about 75 MB for SmolLM2-135M):
+        the model's forward no longer works then. For a server, whose model only the runner
+        runs."""
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -106,6 +112,7 @@ class ModelRunner:
                 raise ValueError(f"kernel {kernel} is unavailable: {error}") from error
         self.kernel = kernel
         self._autotune_cache = autotune_cache
+        self._release_model_weights = release_model_weights
         self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
         self.choices: autotune.Choices | None = None
         dtype = self._embed.weight.dtype
@@ -176,6 +183,15 @@ class ModelRunner:
         )  # fmt: skip
         release_repack_tables()
         autotune.log_choices(self.choices, threads)
+        if self._release_model_weights and all(f is not None for f in self._fused):
+            for layer in self._layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                               mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # fmt: skip
+                    memory.empty_tensors(module)
+        advised = memory.release_mapped_weights()
+        memory.trim_heap()
+        logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
 
     @property
     def cache_bytes(self) -> int:
@@ -263,7 +279,7 @@ class ModelRunner:
         n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
         fused = self._fused[index]
         if fused is not None:
-            qkv = fused.qkv(hidden)
+            qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
         else:
             qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
         pool = self._pools[index]
@@ -294,6 +310,7 @@ class ModelRunner:
                 self.scale,
                 out.data_ptr(),
                 scratch.data_ptr(),
+                torch.get_num_threads(),  # --threads, on the step thread
             )
         elif plan.decode_rows:
             # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
@@ -322,14 +339,14 @@ class ModelRunner:
                 enable_gqa=heads != kv_heads,
             )
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
-        return fused.o(out) if fused is not None else attn.o_proj(out)
+        return fused.o.forward(out) if fused is not None else attn.o_proj(out)
 
     def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
         fused = self._fused[index]
         if fused is None:
             return mlp(hidden)
         if self._ops is not None:
-            return fused.down(self._ops.silu_mul(fused.gate_up(hidden)))
+            return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
         gate, up = fused.gate_up.split(fused.gate_up(hidden))
         return fused.down(mlp.act_fn(gate) * up)
 

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("decode_attention.c")
 INT4_SOURCE = Path(__file__).with_name("int4_matmul.c")
 LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
+INT8_SOURCE = Path(__file__).with_name("int8_matmul.c")
 # instruction set -> (CPU flags it needs, compiler flags, -D constants); widest first
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2")
@@ -64,8 +65,13 @@ ISAS: dict[str, tuple[tuple[str, ...], list[str], list[str]]] = {
 assert tuple(ISAS) == NATIVE_ISAS, "config.NATIVE_ISAS names these instruction sets"
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 
-# q, q_stride, pool, slots, tables, table_width, lengths, rows, kv_heads, scale, out, scratch
-DecodeAttention = Callable[[int, int, int, int, int, int, int, int, int, float, int, int], None]
+# q, q_stride, pool, slots, tables, table_width, lengths, rows, kv_heads, scale, out, scratch,
+# threads
+DecodeAttention = Callable[
+    [int, int, int, int, int, int, int, int, int, float, int, int, int], None
+]
+# OpenMP first (--threads > 1 splits the rows), then without, each -march=native first
+THREADED: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-march=native"], [])
 
 
 @functools.lru_cache(maxsize=8)
@@ -74,14 +80,18 @@ def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttent
     it cannot be built here."""
     compiler = _compiler()
     try:
-        lib = _build(compiler, [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"])
+        lib = _build(
+            compiler,
+            [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"],
+            variants=THREADED,
+        )
     except OSError as error:  # no writable temp folder, a noexec one, ...
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
     function = lib.decode_attention_bf16
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.restype = None
     function.argtypes = [pointer, integer, pointer, integer, pointer, integer, pointer]
-    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer]
+    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer, integer]
     logger.info("native decode attention compiled (head_dim %d, group %d)", head_dim, group)
     kernel: DecodeAttention = function
     return kernel
@@ -259,15 +269,72 @@ def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
 
 
 @dataclass(frozen=True)
+class Int8Kernel:
+    """The compiled 8-bit matmul (lm_head) for one instruction set (see int8_matmul.c)."""
+
+    isa: str
+    # weights (bf16 [n][k]), n, k, out
+    quantize: Callable[[int, int, int, int], None]
+    # x, rows, k, w, n, out (fp32), out_stride, threads, int8 -> 0 (< 0: no memory, k % 32)
+    matmul: Callable[[int, int, int, int, int, int, int, int, int], int]
+    # w, n, k, ids (int64), count, out (bf16 [count][k]) -> 0 (-1: an id outside [0, n))
+    rows: Callable[[int, int, int, int, int, int], int]
+    nbytes: Callable[[int, int], int]
+
+
+_INT8: dict[str, Int8Kernel] = {}
+
+
+def int8_matmul(isa: str, cache_dir: Path | None = None) -> Int8Kernel:
+    """int8_matmul.c built for `isa` (once a process, as int4_matmul); NativeUnavailable if this
+    CPU lacks it or no build works."""
+    if isa not in _INT8:
+        _INT8[isa] = _int8_matmul(isa, cache_dir)
+    return _INT8[isa]
+
+
+def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
+    if isa not in ISAS:
+        raise NativeUnavailable(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
+    needs, arch, defines = ISAS[isa]
+    missing = sorted(set(needs) - cpu_flags())
+    if missing:
+        raise NativeUnavailable(f"this CPU lacks {', '.join(missing)} for the {isa} kernel")
+    compiler = _compiler()
+    try:
+        lib = _build(compiler, defines, INT8_SOURCE, [[*arch, "-fopenmp"], arch], cache_dir)
+    except OSError as error:
+        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    pointer, integer = ctypes.c_void_p, ctypes.c_int64
+    quantize, matmul, rows, nbytes = (
+        lib.int8_quantize,
+        lib.int8_matmul,
+        lib.int8_rows,
+        lib.int8_bytes,
+    )
+    quantize.restype = None
+    quantize.argtypes = [pointer, integer, integer, pointer]
+    matmul.restype = ctypes.c_int
+    matmul.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer, integer]
+    matmul.argtypes += [integer]
+    rows.restype = ctypes.c_int
+    rows.argtypes = [pointer, integer, integer, pointer, integer, pointer]
+    nbytes.restype = ctypes.c_size_t
+    nbytes.argtypes = [integer, integer]
+    logger.info("native int8 matmul compiled (%s)", isa)
+    return Int8Kernel(isa, quantize, matmul, rows, nbytes)
+
+
+@dataclass(frozen=True)
 class LayerOps:
     """layer_ops.c for one head_dim: a layer's norms, rotary + cache write and SwiGLU."""
 
-    # hidden, delta (0: none), weight, eps, out, rows, dim
-    add_rms_norm: Callable[[int, int | None, int, float, int, int, int], None]
-    # qkv, n, heads, kv_heads, cos, sin, pool, slots, slots_of
-    rope_write: Callable[[int, int, int, int, int, int, int, int, int], None]
-    # gate_up, n, inner, out
-    silu_mul: Callable[[int, int, int, int], None]
+    # hidden, delta (0: none), weight, eps, out, rows, dim, threads
+    add_rms_norm: Callable[[int, int | None, int, float, int, int, int, int], None]
+    # qkv, n, heads, kv_heads, cos, sin, pool, slots, slots_of, threads
+    rope_write: Callable[[int, int, int, int, int, int, int, int, int, int], None]
+    # gate_up, n, inner, out, threads
+    silu_mul: Callable[[int, int, int, int, int], None]
 
 
 @functools.lru_cache(maxsize=4)
@@ -275,15 +342,15 @@ def layer_ops(head_dim: int) -> LayerOps:
     """layer_ops.c compiled for this head_dim; NativeUnavailable if it cannot be built here."""
     compiler = _compiler()
     try:
-        lib = _build(compiler, [f"-DDIM={head_dim}"], LAYER_SOURCE)
+        lib = _build(compiler, [f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED)
     except OSError as error:
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     norm, rope, silu = lib.add_rms_norm, lib.rope_write, lib.silu_mul
-    norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer]
+    norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer, integer]
     rope.argtypes = [pointer, integer, integer, integer, pointer, pointer, pointer, integer]
-    rope.argtypes += [pointer]
-    silu.argtypes = [pointer, integer, integer, pointer]
+    rope.argtypes += [pointer, integer]
+    silu.argtypes = [pointer, integer, integer, pointer, integer]
     for function in (norm, rope, silu):
         function.restype = None
     logger.info("native layer ops compiled (head_dim %d)", head_dim)

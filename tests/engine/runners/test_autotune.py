@@ -118,3 +118,20 @@ def test_the_log_names_the_cpu_its_flags_and_each_choice(
         assert flag in text
     for name in choices.plans:
         assert f"{name}: 1" in text
+
+
+def test_the_int8_head_is_a_candidate_keyed_by_its_source(
+    tiny_gptq: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    isas = native.usable_isas()
+    if not isas or tiny_gptq.model.lm_head.weight.dtype != torch.bfloat16:
+        pytest.skip("int8 lm_head candidates need AVX2/AVX-512 and a bf16 head")
+    choices = tune(tiny_gptq, tmp_path)
+    (head,) = [name for name in choices.plans if name.startswith("lm_head")]
+    timed = set().union(*(set(f) for f in choices.figures[head].values()))
+    assert {f"int8_i8_{isas[0]}", f"int8_f32_{isas[0]}"} <= timed  # measured, not assumed
+    assert tune(tiny_gptq, tmp_path).source.startswith("cache ")
+    changed = tmp_path / "int8_matmul.c"
+    changed.write_text(native.INT8_SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "INT8_SOURCE", changed)  # another int8 kernel: measured again
+    assert tune(tiny_gptq, tmp_path).source == "measured"

@@ -39,9 +39,10 @@ def reference(
 
 
 @needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 2, 32), (8, 8, 16)])
 def test_kernel_matches_fp32_attention_over_scattered_blocks(
-    heads: int, kv_heads: int, dim: int
+    heads: int, kv_heads: int, dim: int, threads: int
 ) -> None:
     rng = random.Random(heads)
     kernel = native.decode_attention(dim, heads // kv_heads, 16)
@@ -71,6 +72,7 @@ def test_kernel_matches_fp32_attention_over_scattered_blocks(
         dim**-0.5,
         out.data_ptr(),
         scratch.data_ptr(),
+        threads,
     )
     expected = reference(
         qkv[:, : heads * dim].view(len(lengths), heads, dim), pool, tables, lengths
@@ -150,3 +152,30 @@ def test_a_failing_compiler_or_temp_folder_is_unavailable_not_a_crash(
                 native.decode_attention(32, 2, 16)
     finally:
         native.decode_attention.cache_clear()
+
+
+@needs_compiler
+def test_layer_ops_split_rows_over_threads_with_the_same_numbers() -> None:
+    ops = native.layer_ops(32)
+    generator = torch.Generator().manual_seed(5)
+    rows, dim, inner = 7, 96, 80
+    weight = torch.randn(dim, generator=generator).bfloat16()
+    delta = torch.randn((rows, dim), generator=generator).bfloat16()
+    gate_up = torch.randn((rows, 2 * inner), generator=generator).bfloat16()
+    results = []
+    for threads in (1, 2):
+        hidden = torch.ones((rows, dim), dtype=torch.bfloat16)
+        normed = torch.empty_like(hidden)
+        ops.add_rms_norm(hidden.data_ptr(), delta.data_ptr(), weight.data_ptr(), 1e-5,
+                         normed.data_ptr(), rows, dim, threads)  # fmt: skip
+        silu = torch.empty((rows, inner), dtype=torch.bfloat16)
+        ops.silu_mul(gate_up.data_ptr(), rows, inner, silu.data_ptr(), threads)
+        results.append((hidden, normed, silu))
+    for one, two in zip(*results, strict=True):
+        assert torch.equal(one, two)
+    hidden, normed, silu = results[0]
+    assert torch.equal(hidden, (1.0 + delta.float()).bfloat16())
+    expected = torch.rms_norm(hidden.float(), (dim,), weight.float(), 1e-5)
+    assert torch.allclose(normed.float(), expected, rtol=1e-2, atol=1e-2)
+    gate, up = gate_up.float().split(inner, -1)
+    assert torch.allclose(silu.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
