@@ -32,6 +32,9 @@ KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
 ATTENTION = ("auto", "native", "torch")
 
 
+SERVING_CORES = 1  # cores the default thread count leaves to serving (Settings.torch_threads)
+
+
 @dataclass(frozen=True)
 class Settings:
     model_dir: Path = DEFAULT_MODEL_DIR
@@ -40,7 +43,7 @@ class Settings:
     http_port: int = 8080
     grpc_port: int = 8081
     enable_grpc: bool = True
-    threads: int = 0  # 0: every core this process may use
+    threads: int = 0  # 0: every core this process may use but one (SERVING_CORES)
     device: str = "auto"  # auto | cpu | cuda
     runner: str = "model"  # model | null (no forward pass: benchmarks the serving stack)
     # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
@@ -78,9 +81,14 @@ class Settings:
 
     @property
     def torch_threads(self) -> int:
+        """--threads, or the cores this process may use less SERVING_CORES (at least one): the
+        event loop, HTTP and gRPC need a core of their own, as vLLM-CPU reserves one. On 2 cores,
+        2 compute threads gave 0.51x the tokens/s of 1 at C=1 and 0.97x at C=16
+        (load/bench_threads.py, load/RESULTS.md)."""
         if self.threads > 0:
             return self.threads
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        return max(1, cores - SERVING_CORES)
 
     @classmethod
     def from_sources(cls, argv: Sequence[str], env: Mapping[str, str]) -> Settings:
@@ -138,7 +146,7 @@ _HELP = {
     "http_port": "REST port",
     "grpc_port": "gRPC port",
     "enable_grpc": "serve gRPC",
-    "threads": "torch CPU threads (0: all cores available to the process)",
+    "threads": "compute threads (0: the cores available to the process but one, at least 1)",
     "device": "auto, cpu or cuda",
     "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
     "(measures everything around the model; benchmarks only)",

@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,12 @@ def test_kernel_forces_a_runner_kernel_and_the_autotune_cache_is_a_folder() -> N
     assert Settings().autotune_dir == Path(Settings().autotune_cache)
     with pytest.raises(SystemExit):
         Settings.from_sources(["--kernel", "fastest"], {})
+
+
+def test_the_default_thread_count_leaves_one_core_to_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for cores, threads in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert Settings().torch_threads == threads
+    assert Settings(threads=2).torch_threads == 2
