@@ -42,7 +42,9 @@ def test_fused_int4_projections_give_the_same_tokens(tiny_gptq: Any) -> None:
 
 def test_paged_attention_matches_transformers_forward(tiny_gptq: Any) -> None:
     model = tiny_gptq.model
-    runner = ModelRunner(model, torch.device("cpu"), 64, 16)
+    # torch's int4 op, not the autotune's pick: the pick depends on timings (int8 activations
+    # and head under load), and every pick is held to this reference in the test below
+    runner = ModelRunner(model, torch.device("cpu"), 64, 16, kernel="int4_op")
     prompt = [random.Random(5).randrange(100, 40000) for _ in range(23)]
     ours = step_logits(runner, [prompt], 4)
     ids = prompt + [int(x.argmax()) for x in ours[:-1]]
