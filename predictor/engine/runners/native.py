@@ -242,18 +242,23 @@ def int4_matmul(isa: str, cache_dir: Path | None = None) -> Int4Kernel:
     return _INT4[isa]
 
 
-def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
+def _matmul_library(isa: str, source: Path, cache_dir: Path | None) -> ctypes.CDLL:
+    """A matmul source built for `isa`, OpenMP first (--threads > 1 splits its output tiles);
+    NativeUnavailable if this CPU lacks the instruction set or no build works."""
     if isa not in ISAS:
         raise NativeUnavailable(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
     needs, arch, defines = ISAS[isa]
     missing = sorted(set(needs) - cpu_flags())
     if missing:
         raise NativeUnavailable(f"this CPU lacks {', '.join(missing)} for the {isa} kernel")
-    compiler = _compiler()
-    try:  # OpenMP first: --threads > 1 splits the output tiles
-        lib = _build(compiler, defines, INT4_SOURCE, [[*arch, "-fopenmp"], arch], cache_dir)
+    try:
+        return _build(_compiler(), defines, source, [[*arch, "-fopenmp"], arch], cache_dir)
     except OSError as error:
         raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+
+
+def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
+    lib = _matmul_library(isa, INT4_SOURCE, cache_dir)
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     repack = lib.int4_repack
     repack.restype = None
@@ -294,17 +299,7 @@ def int8_matmul(isa: str, cache_dir: Path | None = None) -> Int8Kernel:
 
 
 def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
-    if isa not in ISAS:
-        raise NativeUnavailable(f"unknown instruction set {isa!r} (one of {', '.join(ISAS)})")
-    needs, arch, defines = ISAS[isa]
-    missing = sorted(set(needs) - cpu_flags())
-    if missing:
-        raise NativeUnavailable(f"this CPU lacks {', '.join(missing)} for the {isa} kernel")
-    compiler = _compiler()
-    try:
-        lib = _build(compiler, defines, INT8_SOURCE, [[*arch, "-fopenmp"], arch], cache_dir)
-    except OSError as error:
-        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    lib = _matmul_library(isa, INT8_SOURCE, cache_dir)
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     quantize, matmul, rows, nbytes = (
         lib.int8_quantize,
