@@ -11,32 +11,39 @@ response shapes are in `protocols/openai/responses.py`, the routes in `serving/r
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
-from predictor.engine import tool_calls
 from predictor.errors import InvalidRequest
 from predictor.protocols import parameters
-from predictor.types import GenerateRequest, Grammar, SamplingParams
+from predictor.protocols.openai.messages import (
+    MAX_TOOLS,
+    AssistantToolCall,
+    CalledFunction,
+    FunctionDefinition,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+    conversation,
+    tool_setup,
+)
+from predictor.protocols.openai.messages import Strict as _Strict
+from predictor.types import GenerateRequest, SamplingParams
 
 MAX_CHOICES = 16  # n, and the number of prompts in one completions request
 MAX_TOP_LOGPROBS = 20
-MAX_TOOLS = 128
 SEED_MODULUS = parameters.SEED_LIMIT  # choice j of a seeded request uses (seed + j) mod 2**63
 PROTOCOL = "openai"
 
 
 # -- body models --------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -72,50 +79,6 @@ class CompletionBody(_Common):
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     echo: bool | None = None  # the prompt before the completion (and in logprobs)
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class CalledFunction(_Strict):
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class AssistantToolCall(_Strict):
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class Message(_Strict):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
-    tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
-    tool_call_id: str | None = None
-
-
-class FunctionDefinition(_Strict):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
-    strict: bool | None = None  # accepted: arguments are always enforced by grammar here
-
-
-class Tool(_Strict):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Strict):
-    name: str
-
-
-class NamedToolChoice(_Strict):
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class ChatBody(_Common):
@@ -361,7 +324,7 @@ def decode_tokenize(body: Any) -> tuple[TokenizeBody, GenerateRequest]:
     if (parsed.prompt is None) == (parsed.messages is None):
         raise InvalidRequest("give one of 'prompt' or 'messages'", param="prompt")
     if parsed.messages is not None:
-        messages = _conversation(parsed.messages)
+        messages = conversation(parsed.messages)
         return parsed, GenerateRequest("tokenize", "", chat=True, messages=messages)
     assert parsed.prompt is not None
     return parsed, GenerateRequest("tokenize", parsed.prompt)
@@ -369,85 +332,6 @@ def decode_tokenize(body: Any) -> tuple[TokenizeBody, GenerateRequest]:
 
 def decode_detokenize(body: Any) -> DetokenizeBody:
     return _strict(DetokenizeBody, body)
-
-
-def _content(message: Message) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
-    return "\n".join(part.text for part in message.content)  # text parts, as vLLM joins them
-
-
-def _turn(i: int, message: Message) -> dict[str, Any]:
-    """One message as the engine's chat template takes it (HF's shape for tool turns)."""
-    where = f"messages[{i}]"
-    if message.tool_calls is not None and message.role != "assistant":
-        raise InvalidRequest(f"'{where}.tool_calls' is only for assistant messages", param=where)
-    if message.tool_call_id is not None and message.role != "tool":
-        raise InvalidRequest(f"'{where}.tool_call_id' is only for tool messages", param=where)
-    if message.content is None and not (message.role == "assistant" and message.tool_calls):
-        raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
-    turn: dict[str, Any] = {"role": message.role, "content": _content(message)}
-    if message.role == "tool":
-        if message.tool_call_id is None:
-            raise InvalidRequest(
-                f"'{where}.tool_call_id' is required", param=f"{where}.tool_call_id"
-            )
-        turn["tool_call_id"] = message.tool_call_id
-    for j, call in enumerate(message.tool_calls or ()):
-        try:
-            arguments = json.loads(call.function.arguments)
-        except ValueError as exc:
-            param = f"{where}.tool_calls[{j}].function.arguments"
-            raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from exc
-        turn.setdefault("tool_calls", []).append(
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": arguments}}
-        )  # fmt: skip
-    return turn
-
-
-def _conversation(messages: Sequence[Message]) -> tuple[dict[str, Any], ...]:
-    return tuple(_turn(i, m) for i, m in enumerate(messages))
-
-
-def _tool_setup(
-    parsed: ChatBody, sampling: SamplingParams
-) -> tuple[tuple[dict[str, Any], ...] | None, SamplingParams]:
-    """The tools the prompt shows and the sampling with their grammar: `required` and a named
-    tool force calls, `auto` lets the model choose; either way a call parses and its arguments
-    validate. `none` (or no tools): no tools in the prompt, no calls read back."""
-    choice = parsed.tool_choice
-    if not parsed.tools:
-        if choice is not None and choice != "none":
-            raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
-        return None, sampling
-    if choice == "none":
-        return None, sampling
-    functions = [t.function.model_dump(exclude_none=True) for t in parsed.tools]
-    names = [f["name"] for f in functions]
-    if len(set(names)) != len(names):
-        raise InvalidRequest("'tools' names a function twice", param="tools")
-    wanted: str = "auto" if choice is None else choice if isinstance(choice, str) else ""
-    if isinstance(choice, NamedToolChoice):
-        wanted = choice.function.name
-        if wanted not in names:
-            raise InvalidRequest(
-                f"'tool_choice' names '{wanted}', which is not among 'tools'",
-                param="tool_choice.function.name",
-            )
-    if sampling.grammar is not None:
-        raise InvalidRequest(
-            f"'{sampling.grammar.param}' cannot be combined with tools (tool_choice "
-            f"'{wanted}' is enforced by a grammar of its own)",
-            param=sampling.grammar.param,
-        )
-    parallel = parsed.parallel_tool_calls is not False
-    grammar = Grammar("structural_tag", tool_calls.structural_tag(functions, wanted, parallel))
-    grammar = replace(grammar, param="tools")
-    tools = tuple({"type": "function", "function": f} for f in functions)
-    return tools, replace(sampling, grammar=grammar)
 
 
 def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
@@ -458,10 +342,15 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
     if parsed.top_logprobs is not None and not parsed.logprobs:
         raise InvalidRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     k = (parsed.top_logprobs or 0) if parsed.logprobs else None
-    tools, sampling = _tool_setup(parsed, replace(values.sampling, logprobs=k))
+    tools, sampling = tool_setup(
+        parsed.tools,
+        parsed.tool_choice,
+        parsed.parallel_tool_calls,
+        replace(values.sampling, logprobs=k),
+    )
     stream, include_usage = _stream_flags(parsed)
     asked = _check_prompt_logprobs(sampling, stream, echo=False)
-    messages = _conversation(parsed.messages)
+    messages = conversation(parsed.messages)
     base = f"chatcmpl-{uuid.uuid4().hex}"
     if len(messages) == 1 and messages[0]["role"] == "user":
         # the engine's own single-message chat path renders the same template
