@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +10,8 @@ import openai
 import pytest
 
 from tests.serving.test_drain import stream_then_sigterm
-from tests.serving.test_grpc_stream import running_requests, wait_idle
-from tests.serving.test_overload import hold, waiting_requests
+from tests.serving.test_grpc_stream import wait_idle
+from tests.serving.test_overload import full_queue
 from tests.support import ServerProcess
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
@@ -27,16 +25,7 @@ def small(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
 
 
 def test_full_queue_is_429_rate_limit_error(small: ServerProcess) -> None:
-    stop = threading.Event()
-    holders = [threading.Thread(target=hold, args=(small, stop)) for _ in range(2)]
-    for t in holders:
-        t.start()
-        time.sleep(0.3)
-    try:
-        deadline = time.monotonic() + 10
-        while not (running_requests(small) == 1 and waiting_requests(small) == 1):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with full_queue(small):
         for stream in (False, True):
             r = httpx.post(
                 f"{small.base_url}/v1/chat/completions", json=CHAT | {"stream": stream}, timeout=10
@@ -46,11 +35,6 @@ def test_full_queue_is_429_rate_limit_error(small: ServerProcess) -> None:
         sdk = openai.OpenAI(base_url=f"{small.base_url}/openai/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.RateLimitError):
             sdk.completions.create(model="tiny", prompt="x", max_tokens=2)
-    finally:
-        stop.set()
-        for t in holders:
-            t.join(60)
-    wait_idle(small)
 
 
 def test_n_choices_past_the_queue_are_refused_whole(small: ServerProcess) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -47,17 +48,30 @@ def hold(server: ServerProcess, stop: threading.Event) -> None:
                         return
 
 
-def test_full_queue_gets_429_and_resource_exhausted_at_once(small: ServerProcess) -> None:
+@contextmanager
+def full_queue(server: ServerProcess) -> Iterator[None]:
+    """Two holders fill a server of 1 row and 1 waiting place; they stop on leaving, and the
+    server is idle again."""
     stop = threading.Event()
-    holders = [threading.Thread(target=hold, args=(small, stop)) for _ in range(2)]
+    holders = [threading.Thread(target=hold, args=(server, stop)) for _ in range(2)]
     for t in holders:
         t.start()
         time.sleep(0.3)
     try:
         deadline = time.monotonic() + 10
-        while not (running_requests(small) == 1 and waiting_requests(small) == 1):
+        while not (running_requests(server) == 1 and waiting_requests(server) == 1):
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        yield
+    finally:
+        stop.set()
+        for t in holders:
+            t.join(60)
+    wait_idle(server)
+
+
+def test_full_queue_gets_429_and_resource_exhausted_at_once(small: ServerProcess) -> None:
+    with full_queue(small):
         started = time.monotonic()
         r = httpx.post(
             f"{small.base_url}/v2/models/tiny/generate", json={"text_input": "x"}, timeout=10
@@ -83,11 +97,6 @@ def test_full_queue_gets_429_and_resource_exhausted_at_once(small: ServerProcess
             )
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert time.monotonic() - started < 5  # refused at once, not queued
-    finally:
-        stop.set()
-        for t in holders:
-            t.join(60)
-    wait_idle(small)
 
 
 def test_request_timeout_parameter(small: ServerProcess) -> None:
