@@ -78,7 +78,7 @@ def test_kv_cache_gauge_tracks_a_load_run(runtime_server: ServerProcess) -> None
 
     assert kv() == 0.0
     url = f"{runtime_server.base_url}/v2/models/gptq-predictor/generate"
-    body = {"text_input": "Count slowly", "parameters": {"max_tokens": 60}}
+    body = {"text_input": "Count slowly", "parameters": {"max_tokens": 90}}
     threads = [
         threading.Thread(target=lambda: httpx.post(url, json=body, timeout=120).raise_for_status())
         for _ in range(4)
