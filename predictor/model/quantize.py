@@ -31,6 +31,8 @@ from typing import Any, TextIO
 from predictor.model import internals
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, evaluate, format_report
+from predictor.model.precision import CHOICES as DTYPE_CHOICES
+from predictor.model.precision import calibration_dtype
 from predictor.model.progress import Progress, format_duration
 from predictor.model.source import export_gguf_to_fp32, gguf_location
 
@@ -104,26 +106,34 @@ def quantize_checkpoint(
     group_size: int | None = None,
     recipe: Recipe = DEFAULT_RECIPE,
     progress: Progress | None = None,
+    dtype: str = "auto",
 ) -> None:
     """GPTQ-quantize an fp checkpoint folder to 4 bits; writes the checkpoint and tokenizer.
 
     `group_size` overrides the recipe's (the tiny test model keeps its own). With `progress`,
-    each finished layer is a step of its current phase.
+    each finished layer is a step of its current phase. `dtype` is that of the calibration
+    forwards ("auto": the faster here, predictor.model.precision); the checkpoint stores its
+    unquantized weights in bf16 either way.
     """
+    import torch
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    from predictor.model.precision import calibration_dtype, keep_unquantized_in
     from predictor.model.scale_search import vectorised_scale_search
+
+    dtype, _ = calibration_dtype(source, dtype)
 
     if group_size is not None:
         recipe = replace(recipe, group_size=group_size)
     config = QuantizeConfig(bits=4, **recipe.quantize_config())
-    model = GPTQModel.load(str(source), config)
+    model = GPTQModel.load(str(source), config, dtype=getattr(torch, dtype))
     if progress is not None:
         progress.phase("layer", int(model.model.config.num_hidden_layers))
         internals.set_subset_callback(model, progress)  # its subset_event(stage=..., ...)
     with vectorised_scale_search():
         model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))
+    keep_unquantized_in(out)
     for extra in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
         if (source / extra).is_file() and not (out / extra).is_file():
             shutil.copy(source / extra, out / extra)
@@ -196,6 +206,7 @@ def build_default_model(
     max_ratio: float = MAX_RATIO,
     recipe: Recipe = DEFAULT_RECIPE,
     console: TextIO | None = None,
+    dtype: str = "auto",
 ) -> None:
     if is_built(out) and is_fp_built(fp_out):
         print(f"[model] {out} and {fp_out} are already built; nothing to do")
@@ -216,12 +227,15 @@ def build_default_model(
                 export_gguf_to_fp32(folder, gguf_file, Path(tmp) / "fp32")
             _install(Path(tmp) / "fp32", fp_out)
         texts = calibration_texts()
+        dtype, why = calibration_dtype(fp_out, dtype)
         progress.say(
             f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts, "
-            f"{threads} threads ({TYPICAL_MINUTES})"
+            f"{dtype} forwards ({why}), {threads} threads ({TYPICAL_MINUTES})"
         )
         with _phase(phases, "quantize", progress, out.parent / "quantize.log"):
-            quantize_checkpoint(fp_out, staged, texts, recipe=recipe, progress=progress)
+            quantize_checkpoint(
+                fp_out, staged, texts, recipe=recipe, progress=progress, dtype=dtype
+            )
         progress.say(f"[model] 3/4 quality against {fp_out} (bar: test ratio <= {max_ratio:.2f})")
         with _phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
             report = evaluate(
@@ -234,7 +248,8 @@ def build_default_model(
         progress.say(f"[model]     answer: {answer!r}")
         if QUALITY_ANSWER not in answer:
             raise SystemExit(f"quality check failed: the answer does not mention {QUALITY_ANSWER}")
-        build = {"recipe": asdict(recipe), "threads": threads, "cpu": cpu_name(),
+        build = {"recipe": asdict(recipe), "calibration_dtype": dtype, "dtype_choice": why,
+                 "threads": threads, "cpu": cpu_name(),
                  "seconds": {**phases, "total": time.monotonic() - started}}  # fmt: skip
         quality = {**report.to_json(), "build": build}
         (staged / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
@@ -362,6 +377,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="default",
         help="GPTQ settings (load/RESULTS.md, 'Quantization recipe')",
     )
+    parser.add_argument(
+        "--calibration-dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="dtype of the calibration forwards (auto: bf16 where it is clearly faster than fp32)",
+    )
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
@@ -370,7 +391,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     fp_out = args.fp_out or args.out.parent / FP_NAME
-    build_default_model(args.out, fp_out, args.threads, args.max_ratio, RECIPES[args.recipe])
+    build_default_model(
+        args.out,
+        fp_out,
+        args.threads,
+        args.max_ratio,
+        RECIPES[args.recipe],
+        dtype=args.calibration_dtype,
+    )
     return 0
 
 
