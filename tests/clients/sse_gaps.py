@@ -1,6 +1,8 @@
 """SSE streams read in their own process, so that what the test process does meanwhile (send a
 4 MiB body) cannot delay their clocks. Prints one JSON line: each stream's arrival times
-(`time.monotonic()`, the same clock in every process on Linux) of its data events.
+(`time.monotonic()`, the same clock in every process on Linux) of its data events. A line on
+stdin (or its end) closes every stream early, as a client that goes away does, so a test waits
+only as long as it needs the streams.
 
 usage: python -m tests.clients.sse_gaps BASE_URL MODEL STREAMS MAX_TOKENS
 """
@@ -15,7 +17,14 @@ import time
 import httpx
 
 
-def read(base_url: str, model: str, index: int, tokens: int, out: list[list[float]]) -> None:
+def read(
+    base_url: str,
+    model: str,
+    index: int,
+    tokens: int,
+    out: list[list[float]],
+    stop: threading.Event,
+) -> None:
     body = {
         "text_input": f"Tell story number {index}.",
         "parameters": {"max_tokens": tokens, "ignore_eos": True},
@@ -25,13 +34,17 @@ def read(base_url: str, model: str, index: int, tokens: int, out: list[list[floa
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out[index].append(time.monotonic())
+            if stop.is_set():
+                return
 
 
 def main() -> None:
     base_url, model, streams, tokens = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5])
     arrivals: list[list[float]] = [[] for _ in range(streams)]
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     threads = [
-        threading.Thread(target=read, args=(base_url, model, i, tokens, arrivals))
+        threading.Thread(target=read, args=(base_url, model, i, tokens, arrivals, stop))
         for i in range(streams)
     ]
     for thread in threads:

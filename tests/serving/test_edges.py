@@ -185,7 +185,8 @@ def test_a_4mib_prompt_does_not_stall_other_streams(model_server: ServerProcess)
     readers = subprocess.Popen(
         [sys.executable, "-m", "tests.clients.sse_gaps", model_server.base_url, MODEL_NAME,
          "4", "900"],  # long enough to outlast the three uploads with the native kernels
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     windows = []
     for _ in range(3):  # three tries, 2.5 s apart: see below
@@ -195,10 +196,11 @@ def test_a_4mib_prompt_does_not_stall_other_streams(model_server: ServerProcess)
         status, answer = post_raw(model_server.http_port, path, payload)
         windows.append((sent, time.monotonic()))
         assert status == 400 and "limit" in answer["error"]  # far past the prompt limit
-    out, err = readers.communicate(timeout=300)
+    time.sleep(1.0)  # the streams go on past the last answer, then close (a client leaving)
+    out, err = readers.communicate("stop\n", timeout=300)
     assert readers.returncode == 0, err
     streams = json.loads(out.strip().splitlines()[-1])
-    assert all(len(s) > 300 and s[0] < windows[0][0] and s[-1] > windows[-1][1] for s in streams)
+    assert all(len(s) > 100 and s[0] < windows[0][0] and s[-1] > windows[-1][1] for s in streams)
     # per try, the largest gap of any stream that overlaps the request (first byte sent to
     # answer), against that stream's median gap. Gaps past 2x the median turn up here without
     # any big body too (one of 2.8x in 10 s of one stream, measured: other processes share the
