@@ -70,6 +70,7 @@ class Settings:
     max_json_depth: int = 32  # nesting of a JSON body
     max_stream_requests: int = 64  # requests in progress on one ModelStreamInfer stream
     stream_queue_size: int = 256  # responses buffered per ModelStreamInfer stream
+    slow_reader_grace: float = 1.0  # seconds a token may wait for room in a full stream queue
     model_control: bool = False  # allow repository load/unload (Triton's explicit mode)
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
@@ -117,9 +118,10 @@ class Settings:
             raise ValueError(f"--runner must be model or null, got {self.runner!r}")
         limits = (self.max_prompts, self.max_body_bytes, self.max_json_depth,
                   self.max_stream_requests, self.stream_queue_size)  # fmt: skip
-        if min(limits) < 1 or self.stall_seconds <= 0:
+        if min(limits) < 1 or self.stall_seconds <= 0 or self.slow_reader_grace <= 0:
             raise ValueError(
-                "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds > 0"
+                "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds "
+                "and --slow-reader-grace > 0"
             )
         if self.attention not in ATTENTION:
             raise ValueError(
@@ -185,6 +187,8 @@ _HELP = {
     "max_stream_requests": "requests in progress on one ModelStreamInfer stream; more get "
     "error_message RESOURCE_EXHAUSTED",
     "stream_queue_size": "responses buffered per ModelStreamInfer stream for a slow reader",
+    "slow_reader_grace": "seconds a token response may wait for room in a full ModelStreamInfer "
+    "queue before its request is cancelled with RESOURCE_EXHAUSTED",
     "model_control": "allow POST /v2/repository/models/{m}/load|unload and their gRPC twins "
     "(off: 403 / PERMISSION_DENIED, as Triton's --model-control-mode none)",
     "stall_seconds": "liveness fails when requests are running and no engine step has ended "

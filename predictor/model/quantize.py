@@ -273,7 +273,20 @@ def cpu_name() -> str:
                 flags = set(value.split())
     vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
     name = name or platform.processor() or platform.machine()
-    return f"{name}, {vector}" if vector else name
+    held = _torch_held_to(vector)
+    name = f"{name}, {vector}" if vector else name
+    return f"{name} (torch held to {held})" if held else name
+
+
+def _torch_held_to(vector: str) -> str:
+    """The ISA torch's kernels use when ATEN_CPU_CAPABILITY holds them below the CPU's, or ""."""
+    if "ATEN_CPU_CAPABILITY" not in os.environ:
+        return ""
+    import torch
+
+    names = {"AVX512": "AVX-512", "AVX2": "AVX2"}
+    used = names.get(str(torch.backends.cpu.get_cpu_capability()), "no vector ISA")
+    return used if used != vector else ""
 
 
 def _evaluation_steps(progress: Progress) -> Any:

@@ -138,6 +138,7 @@ class PredictorServer(ModelServer):
             self.served_models,
             self.settings.max_stream_requests,
             self.settings.stream_queue_size,
+            self.settings.slow_reader_grace,
         )
         return internals.PredictorGRPCServer(
             self.host,

@@ -1,10 +1,10 @@
 """SSE streams read in their own process, so that what the test process does meanwhile (send a
 4 MiB body) cannot delay their clocks. Prints one JSON line: each stream's arrival times
 (`time.monotonic()`, the same clock in every process on Linux) of its data events. A line on
-stdin (or its end) closes every stream early, as a client that goes away does, so a test waits
-only as long as it needs the streams.
+stdin (or its end) closes each stream early, once it has MIN_EVENTS events, as a client that goes
+away does, so a test waits only as long as it needs the streams.
 
-usage: python -m tests.clients.sse_gaps BASE_URL MODEL STREAMS MAX_TOKENS
+usage: python -m tests.clients.sse_gaps BASE_URL MODEL STREAMS MAX_TOKENS [MIN_EVENTS]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def read(
     tokens: int,
     out: list[list[float]],
     stop: threading.Event,
+    min_events: int,
 ) -> None:
     body = {
         "text_input": f"Tell story number {index}.",
@@ -34,17 +35,18 @@ def read(
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out[index].append(time.monotonic())
-            if stop.is_set():
+            if stop.is_set() and len(out[index]) >= min_events:
                 return
 
 
 def main() -> None:
     base_url, model, streams, tokens = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:5])
+    min_events = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     threads = [
-        threading.Thread(target=read, args=(base_url, model, i, tokens, arrivals, stop))
+        threading.Thread(target=read, args=(base_url, model, i, tokens, arrivals, stop, min_events))
         for i in range(streams)
     ]
     for thread in threads:

@@ -72,8 +72,19 @@ def test_evaluation_messages_become_steps_and_lines() -> None:
     assert lines[2].startswith("> test text: perplexity window 2/2  ")
 
 
-def test_cpu_is_named() -> None:
-    assert quantize.cpu_name()
+def test_cpu_is_named_with_the_isa_torch_is_held_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    name = quantize.cpu_name()
+    assert name and "held" not in name
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    if " avx512f" not in flags:
+        return
+    assert name.endswith(", AVX-512")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert quantize.cpu_name() == f"{name} (torch held to AVX2)"
 
 
 def test_environment_defaults_and_two_gptqmodel_workers() -> None:

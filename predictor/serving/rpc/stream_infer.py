@@ -8,13 +8,14 @@ gets `error_message` and the stream stays open for the others. Cancelling the ca
 every request on it.
 
 A stream buffers at most `queue_size` (`--stream-queue-size`) responses for its reader. A request
-whose next token does not fit, and still does not after `SLOW_READER_GRACE_S`, is cancelled (its
-row is freed at the next step) and ends with a `RESOURCE_EXHAUSTED` error_message once the reader
-makes room: the engine cannot pause a row, so waiting would only move the backlog into the
-request's engine queue, unbounded while the row keeps generating. Final responses (nothing more to
-generate) wait for room, one per request at most. So a client that stops reading holds at most
-`queue_size` responses, one final per request (`--max-stream-requests`) and gRPC's flow-control
-window, and no rows; the step loop only ever appends to queues, and other streams are unaffected.
+whose next token does not fit, and still does not after `grace` (`--slow-reader-grace`), is
+cancelled (its row is freed at the next step) and ends with a `RESOURCE_EXHAUSTED` error_message
+once the reader makes room: the engine cannot pause a row, so waiting would only move the
+backlog into the request's engine queue, unbounded while the row keeps generating. Final
+responses (nothing more to generate) wait for room, one per request at most. So a client that
+stops reading holds at most `queue_size` responses, one final per request
+(`--max-stream-requests`) and gRPC's flow-control window, and no rows; the step loop only ever
+appends to queues, and other streams are unaffected.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ log = logging.getLogger(__name__)
 SERVICE = "inference.GRPCInferenceService"
 FINAL = "triton_final_response"
 EMPTY_FINAL = "triton_enable_empty_final_response"
-SLOW_READER_GRACE_S = 1.0  # how long a token response may wait for room in a full stream queue
 
 
 class StreamInferServicer:
-    def __init__(self, resolve: Resolve, max_requests: int = 64, queue_size: int = 256) -> None:
+    def __init__(
+        self, resolve: Resolve, max_requests: int = 64, queue_size: int = 256, grace: float = 1.0
+    ) -> None:
         self._resolve = resolve
         self._max_requests = max_requests
         self._queue_size = queue_size
+        self._grace = grace  # seconds a token response may wait for room in a full queue
 
     async def model_stream_infer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -136,7 +139,7 @@ class StreamInferServicer:
             out.put_nowait(message)
             return
         try:
-            async with asyncio.timeout(SLOW_READER_GRACE_S):
+            async with asyncio.timeout(self._grace):
                 await out.put(message)
         except TimeoutError:
             raise Overloaded(
@@ -166,11 +169,15 @@ def error(request: pb.ModelInferRequest, message: str) -> ModelStreamInferRespon
 
 
 def stream_handler(
-    resolve: Resolve, models: Models, max_requests: int = 64, queue_size: int = 256
+    resolve: Resolve,
+    models: Models,
+    max_requests: int = 64,
+    queue_size: int = 256,
+    grace: float = 1.0,
 ) -> grpc.GenericRpcHandler:
     """Triton's RPCs that KServe's servicer lacks (it registers only its own method names, so
     lookups of these fall through to this handler)."""
-    servicer = StreamInferServicer(resolve, max_requests, queue_size)
+    servicer = StreamInferServicer(resolve, max_requests, queue_size, grace)
     status = TritonStatusServicer(resolve, models)
     return grpc.method_handlers_generic_handler(
         SERVICE,
