@@ -44,8 +44,8 @@ QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ c
 MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
 # What the GPTQ phase takes, measured (load/RESULTS.md, "make model profile").
 TYPICAL_MINUTES = (
-    "measured 1 min 39 s on 2 cores of an AMD EPYC Zen 5 (AVX-512); an AVX2-only Zen 1 took"
-    " 4.5x as long for the old build, so expect about 7-8 min there"
+    "measured on 2 cores of an AMD EPYC Zen 5: 1 min 37 s with AVX-512 (bf16 forwards), 2 min 12 s"
+    " with torch held to AVX2 (fp32 forwards); a Zen 1 is slower: about 4-5 min, estimated"
 )
 
 
