@@ -1,6 +1,7 @@
 """SSE streams read in their own process, so that what the test process does meanwhile (send a
 4 MiB body) cannot delay their clocks. Prints one JSON line: each stream's arrival times
-(`time.monotonic()`, the same clock in every process on Linux) of its data events. A line on
+(`time.monotonic()`, the same clock in every process on Linux) of its data events, after a
+line `streaming` printed once every stream has its first event. A line on
 stdin (or its end) closes each stream early, once it has MIN_EVENTS events, as a client that goes
 away does, so a test waits only as long as it needs the streams.
 
@@ -25,6 +26,7 @@ def read(
     out: list[list[float]],
     stop: threading.Event,
     min_events: int,
+    first: threading.Barrier,
 ) -> None:
     body = {
         "text_input": f"Tell story number {index}.",
@@ -35,6 +37,8 @@ def read(
         for line in r.iter_lines():
             if line.startswith("data: "):
                 out[index].append(time.monotonic())
+                if len(out[index]) == 1:
+                    first.wait()
             if stop.is_set() and len(out[index]) >= min_events:
                 return
 
@@ -44,9 +48,13 @@ def main() -> None:
     min_events = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     arrivals: list[list[float]] = [[] for _ in range(streams)]
     stop = threading.Event()
+    first = threading.Barrier(streams, action=lambda: print("streaming", flush=True))
     threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
     threads = [
-        threading.Thread(target=read, args=(base_url, model, i, tokens, arrivals, stop, min_events))
+        threading.Thread(
+            target=read,
+            args=(base_url, model, i, tokens, arrivals, stop, min_events, first),
+        )
         for i in range(streams)
     ]
     for thread in threads:

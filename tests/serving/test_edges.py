@@ -191,6 +191,9 @@ def test_a_4mib_prompt_does_not_stall_other_streams(model_server: ServerProcess)
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    assert readers.stdout is not None
+    started = readers.stdout.readline()  # each stream has its first token (however slow to start)
+    assert started.strip() == "streaming", started + readers.communicate("stop\n")[1]
     windows = []
     for _ in range(3):  # three tries, 2.5 s apart: see below
         time.sleep(2.5)  # the streams are under way
