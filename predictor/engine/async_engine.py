@@ -100,8 +100,13 @@ class AsyncEngine:
         return not (len(self._loop.batch) and stalled)
 
     def health(self) -> bool:
-        """Ready: accepting requests, the step thread alive and making progress."""
+        """Accepting requests, the step thread alive and making progress."""
         return self._accepting and self._loop.alive() and self.live()
+
+    def ready(self) -> bool:
+        """Healthy, and the runner prepared on the step thread (its kernels compiled and tuned):
+        requests sent before then are queued, and wait for it."""
+        return self._loop.prepared.is_set() and self.health()
 
     def running(self) -> int:
         return len(self._loop.batch)

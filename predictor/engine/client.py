@@ -62,7 +62,11 @@ class EngineClient(Protocol):
         ...
 
     def health(self) -> bool:
-        """True while the step loop is alive and accepting work (readiness)."""
+        """True while the step loop is alive and accepting work."""
+        ...
+
+    def ready(self) -> bool:
+        """Healthy, and the runner's kernels prepared (readiness)."""
         ...
 
     def live(self) -> bool:

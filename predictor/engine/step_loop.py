@@ -72,6 +72,9 @@ class StepLoop:
         self.last_progress = clock()
         self._wake = threading.Event()
         self._stopping = threading.Event()
+        # set once the runner is bound to this thread (its kernels compiled and tuned): until
+        # then the engine is not ready, so a first request is not sent to wait out the autotune
+        self.prepared = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- lifecycle (called from the asyncio side) -------------------------------------------
@@ -101,6 +104,8 @@ class StepLoop:
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         self.runner.bind_thread()
+        self.last_progress = self._clock()
+        self.prepared.set()
         while not self._stopping.is_set():
             if not self.batch and not self.scheduler.waiting():
                 self._wake.wait(timeout=0.5)

@@ -49,7 +49,7 @@ class LLMPredictor(Model):
         self.llm.stop()
 
     async def healthy(self) -> bool:
-        return self.llm.health()
+        return self.llm.ready()
 
     def get_input_types(self) -> list[dict[str, Any]]:
         """V2 model metadata: the required input (the optional ones are in the config)."""

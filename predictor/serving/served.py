@@ -62,4 +62,4 @@ def selected(resolve: Resolve, models: Models, name: str, version: str) -> list[
 
 def view(model: ServedModel) -> ModelView:
     """What Triton's configuration, statistics and index answers need of a model."""
-    return ModelView(model.name, model.ready and model.llm.health(), model.statistics.snapshot())
+    return ModelView(model.name, model.ready and model.llm.ready(), model.statistics.snapshot())

@@ -229,6 +229,28 @@ class GatedRunner:
         return getattr(self._inner, name)
 
 
+class SlowToPrepare(GatedRunner):
+    """The real runner, whose bind_thread (compiling and tuning its kernels) waits on the gate."""
+
+    def bind_thread(self) -> None:
+        self.gate.wait()
+        self._inner.bind_thread()
+
+
+async def test_not_ready_until_the_runner_is_prepared_on_its_thread(tiny_dense: Tiny) -> None:
+    runner = SlowToPrepare(tiny_dense.runner())
+    runner.gate.clear()
+    with engine_on(tiny_dense, runner=runner) as (engine, _):
+        await asyncio.sleep(0.3)
+        assert engine.live() and engine.health()  # tuning is not a stall
+        assert not engine.ready()
+        early = engine.generate(req("early", max_tokens=3))  # queued: served once prepared
+        runner.gate.set()
+        await wait_for(engine.ready)
+        events = [event async for event in early]  # type: ignore[attr-defined]
+        assert events[-1].finish_reason == FinishReason.LENGTH
+
+
 async def test_liveness_fails_while_a_step_hangs_and_when_the_thread_dies(
     tiny_dense: Tiny,
 ) -> None:
