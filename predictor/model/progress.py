@@ -3,15 +3,21 @@
 On a terminal one line is redrawn in place with a bar; anywhere else (CI logs, a pipe) plain
 lines are printed, one per finished step, plus a heartbeat while a step runs long, so a log
 stays short and still shows the build is alive. The estimate of what is left is
-the phase's elapsed time scaled by the share of its steps not yet done.
+the phase's elapsed time scaled by the share of its steps not yet done. `timed_phase` times a
+phase of the build while the libraries' own output goes to a log file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
 import threading
 import time
-from collections.abc import Callable
-from typing import TextIO
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
 
 BAR_WIDTH = 24
 HEARTBEAT = 15.0  # seconds without a step before a plain line says the phase is still running
@@ -162,3 +168,76 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
             self.drawn = False
+
+
+def evaluation_steps(progress: Progress) -> Any:
+    """evaluate()'s progress messages ("test text: perplexity window 3/7") as steps."""
+    counted = re.compile(r"(.*?)(\d+)/(\d+)$")
+
+    def on_message(message: str) -> None:
+        match = counted.match(message)
+        if match is None:  # "loading checkpoint ...": a line of its own
+            progress.phase("", 0)
+            progress.say(f"{progress.prefix}{message}")
+            return
+        what, done, total = match.group(1).strip(), int(match.group(2)), int(match.group(3))
+        if progress.unit != what:
+            progress.phase(what, total)
+        progress.step(done, total)
+
+    return on_message
+
+
+@contextlib.contextmanager
+def timed_phase(
+    phases: dict[str, float], name: str, progress: Progress, log_file: Path
+) -> Iterator[None]:
+    """Time one phase of the build with the libraries' own output sent to a log file."""
+    started = time.monotonic()
+    progress.phase("", 0)
+    try:
+        with libraries_to_log(log_file, progress):
+            yield
+    finally:
+        progress.close()
+        phases[name] = time.monotonic() - started
+
+
+@contextlib.contextmanager
+def libraries_to_log(log_file: Path, progress: Progress) -> Iterator[None]:
+    """Send the libraries' progress bars to a log file; keep ours on the console meanwhile."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    console: TextIO = os.fdopen(os.dup(1), "w")
+    done = threading.Event()
+    stream = progress.stream
+    if stream is sys.stdout or stream is sys.__stdout__:
+        progress.stream = console  # fd 1 goes to the log file until the block ends
+
+    def heartbeat() -> None:
+        while not done.wait(1.0):
+            progress.heartbeat()
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    with open(log_file, "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        beat.start()
+        try:
+            yield
+        except BaseException:
+            progress.say(f"[model] failed; the libraries' output is in {log_file}")
+            raise
+        finally:
+            done.set()
+            beat.join()
+            progress.close()
+            progress.stream = stream
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved_out, 1)
+            os.dup2(saved_err, 2)
+            os.close(saved_out)
+            os.close(saved_err)
+            console.close()

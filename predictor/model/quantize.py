@@ -21,9 +21,8 @@ import platform
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,7 +32,7 @@ from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, evaluate, format_report
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
 from predictor.model.precision import calibration_dtype
-from predictor.model.progress import Progress, format_duration
+from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
 from predictor.model.source import export_gguf_to_fp32, gguf_location
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
@@ -223,7 +222,7 @@ def build_default_model(
         else:
             folder, gguf_file = gguf_location()
             progress.say(f"[model] 1/4 dequantizing {gguf_file} to fp32: {fp_out}")
-            with _phase(phases, "export", progress, Path(tmp) / "export.log"):
+            with timed_phase(phases, "export", progress, Path(tmp) / "export.log"):
                 export_gguf_to_fp32(folder, gguf_file, Path(tmp) / "fp32")
             _install(Path(tmp) / "fp32", fp_out)
         texts = calibration_texts()
@@ -232,18 +231,18 @@ def build_default_model(
             f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts, "
             f"{dtype} forwards ({why}), {threads} threads ({TYPICAL_MINUTES})"
         )
-        with _phase(phases, "quantize", progress, out.parent / "quantize.log"):
+        with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
             quantize_checkpoint(
                 fp_out, staged, texts, recipe=recipe, progress=progress, dtype=dtype
             )
         progress.say(f"[model] 3/4 quality against {fp_out} (bar: test ratio <= {max_ratio:.2f})")
-        with _phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
+        with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
             report = evaluate(
-                staged, fp_out, threads=threads, progress=_evaluation_steps(progress), kernel="fp32"
+                staged, fp_out, threads=threads, progress=evaluation_steps(progress), kernel="fp32"
             )
         report = gate(report, max_ratio, shown_as=out)
         progress.say(f"[model] 4/4 quality check: {QUALITY_QUESTION!r}")
-        with _phase(phases, "check", progress, Path(tmp) / "check.log"):
+        with timed_phase(phases, "check", progress, Path(tmp) / "check.log"):
             answer = greedy_chat(staged, QUALITY_QUESTION, threads=threads)
         progress.say(f"[model]     answer: {answer!r}")
         if QUALITY_ANSWER not in answer:
@@ -289,85 +288,10 @@ def _torch_held_to(vector: str) -> str:
     return used if used != vector else ""
 
 
-def _evaluation_steps(progress: Progress) -> Any:
-    """evaluate()'s progress messages ("test text: perplexity window 3/7") as steps."""
-    import re
-
-    counted = re.compile(r"(.*?)(\d+)/(\d+)$")
-
-    def on_message(message: str) -> None:
-        match = counted.match(message)
-        if match is None:  # "loading checkpoint ...": a line of its own
-            progress.phase("", 0)
-            progress.say(f"{progress.prefix}{message}")
-            return
-        what, done, total = match.group(1).strip(), int(match.group(2)), int(match.group(3))
-        if progress.unit != what:
-            progress.phase(what, total)
-        progress.step(done, total)
-
-    return on_message
-
-
 def _install(staged: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     staged.rename(out)
-
-
-@contextlib.contextmanager
-def _phase(
-    phases: dict[str, float], name: str, progress: Progress, log_file: Path
-) -> Iterator[None]:
-    """Time one phase of the build with the libraries' own output sent to a log file."""
-    started = time.monotonic()
-    progress.phase("", 0)
-    try:
-        with _quiet(log_file, progress):
-            yield
-    finally:
-        progress.close()
-        phases[name] = time.monotonic() - started
-
-
-@contextlib.contextmanager
-def _quiet(log_file: Path, progress: Progress) -> Iterator[None]:
-    """Send the libraries' progress bars to a log file; keep ours on the console meanwhile."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved_out, saved_err = os.dup(1), os.dup(2)
-    console: TextIO = os.fdopen(os.dup(1), "w")
-    done = threading.Event()
-    stream = progress.stream
-    if stream is sys.stdout or stream is sys.__stdout__:
-        progress.stream = console  # fd 1 goes to the log file until the block ends
-
-    def heartbeat() -> None:
-        while not done.wait(1.0):
-            progress.heartbeat()
-
-    beat = threading.Thread(target=heartbeat, daemon=True)
-    with open(log_file, "ab") as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        beat.start()
-        try:
-            yield
-        except BaseException:
-            progress.say(f"[model] failed; the libraries' output is in {log_file}")
-            raise
-        finally:
-            done.set()
-            beat.join()
-            progress.close()
-            progress.stream = stream
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved_out, 1)
-            os.dup2(saved_err, 2)
-            os.close(saved_out)
-            os.close(saved_err)
-            console.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from predictor.model.progress import (
     HEARTBEAT,
     Progress,
     bar,
+    evaluation_steps,
     format_duration,
     remaining,
     status_line,
@@ -114,3 +115,16 @@ def test_gptqmodel_subset_events_count_finished_layers() -> None:
     )
     assert progress.done == 7
     assert out.getvalue().splitlines()[-1] == "layer 7/30  7 s elapsed, about 23 s left"
+
+
+def test_evaluation_messages_become_steps_and_lines() -> None:
+    out = io.StringIO()
+    progress = Progress(out, prefix="> ", tty=False)
+    on_message = evaluation_steps(progress)
+    on_message("loading checkpoint x")
+    on_message("test text: perplexity window 1/2")
+    on_message("test text: perplexity window 2/2")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "> loading checkpoint x"
+    assert lines[1].startswith("> test text: perplexity window 1/2  ")
+    assert lines[2].startswith("> test text: perplexity window 2/2  ")

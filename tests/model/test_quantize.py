@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import io
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,6 @@ import predictor.model
 from predictor.model import quantize
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, Scored
-from predictor.model.progress import Progress
 from predictor.model.quantize import DEFAULT_RECIPE, RECIPES, check_quality
 
 
@@ -57,19 +55,6 @@ def test_recipe_is_chosen_on_the_command_line(
     assert chosen == [RECIPES[name], DEFAULT_RECIPE]
     with pytest.raises(SystemExit):
         quantize.main(["--recipe", "no-such-recipe"])
-
-
-def test_evaluation_messages_become_steps_and_lines() -> None:
-    out = io.StringIO()
-    progress = Progress(out, prefix="> ", tty=False)
-    on_message = quantize._evaluation_steps(progress)
-    on_message("loading checkpoint x")
-    on_message("test text: perplexity window 1/2")
-    on_message("test text: perplexity window 2/2")
-    lines = out.getvalue().splitlines()
-    assert lines[0] == "> loading checkpoint x"
-    assert lines[1].startswith("> test text: perplexity window 1/2  ")
-    assert lines[2].startswith("> test text: perplexity window 2/2  ")
 
 
 def test_cpu_is_named_with_the_isa_torch_is_held_to(monkeypatch: pytest.MonkeyPatch) -> None:
