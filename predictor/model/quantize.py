@@ -31,7 +31,7 @@ from predictor.model import internals
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, evaluate, format_report
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
-from predictor.model.precision import calibration_dtype
+from predictor.model.precision import calibration_dtype, keep_unquantized_in
 from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
 from predictor.model.source import export_gguf_to_fp32, gguf_location
 
@@ -117,11 +117,9 @@ def quantize_checkpoint(
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    from predictor.model.precision import calibration_dtype, keep_unquantized_in
     from predictor.model.scale_search import vectorised_scale_search
 
     dtype, _ = calibration_dtype(source, dtype)
-
     if group_size is not None:
         recipe = replace(recipe, group_size=group_size)
     config = QuantizeConfig(bits=4, **recipe.quantize_config())

@@ -8,6 +8,7 @@ import signal
 
 from fastapi.exceptions import RequestValidationError
 from kserve import ModelServer
+from kserve.errors import ModelNotReady, ServerNotLive, ServerNotReady
 from kserve.model import BaseKServeModel
 from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
@@ -16,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.config import Settings
 from predictor.engine.client import EngineClient
-from predictor.errors import Forbidden, InvalidRequest, PredictorError
+from predictor.errors import EngineUnavailable, Forbidden, InvalidRequest, PredictorError
 from predictor.serving import internals
 from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
@@ -71,6 +72,14 @@ async def validation_error_handler(request: Request, exc: Exception) -> Response
         for e in exc.errors()[:3]
     )
     return v2_response(InvalidRequest(f"invalid request body: {problems}"), status=422)
+
+
+async def not_ready_handler(request: Request, exc: Exception) -> Response:
+    """KServe's health answers (not ready, not live, model not ready): 503 with {"error": ...}.
+    A state, not a fault: KServe's own handlers log each with a traceback, and probes ask every
+    few seconds while the server starts, drains or stalls."""
+    log.debug("%s %s: %s", request.method, request.url.path, exc)
+    return v2_response(EngineUnavailable(str(exc)))
 
 
 async def server_fault_handler(request: Request, exc: Exception) -> Response:
@@ -157,6 +166,9 @@ class PredictorServer(ModelServer):
         handlers: list[tuple[type[Exception], internals.ExceptionHandler]] = [
             (PredictorError, predictor_error_handler),
             (RequestValidationError, validation_error_handler),
+            (ServerNotReady, not_ready_handler),
+            (ServerNotLive, not_ready_handler),
+            (ModelNotReady, not_ready_handler),
             (Exception, server_fault_handler),
         ]
         internals.install_on_app(

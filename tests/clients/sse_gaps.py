@@ -38,7 +38,7 @@ def read(
             if line.startswith("data: "):
                 out[index].append(time.monotonic())
                 if len(out[index]) == 1:
-                    first.wait()
+                    first.wait(timeout=120)  # broken (all raise) if a stream never starts
             if stop.is_set() and len(out[index]) >= min_events:
                 return
 

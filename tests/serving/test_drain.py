@@ -49,7 +49,10 @@ def stream_then_sigterm(
 def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
     with stream_then_sigterm(tiny_gptq_dir, drain_seconds=30) as (srv, events):
         ready = httpx.get(f"{srv.base_url}/v2/health/ready", timeout=5)
-        assert ready.status_code == 503
+        assert ready.status_code == 503 and ready.json()["error"]
+        model_ready = httpx.get(f"{srv.base_url}/v2/models/tiny/ready", timeout=5)
+        assert model_ready.status_code == 503 and model_ready.json()["error"]
+        assert "Traceback" not in srv.log()  # a state, not a fault: no traceback per probe
         refused = httpx.post(
             f"{srv.base_url}/v2/models/tiny/generate", json={"text_input": "x"}, timeout=5
         )
