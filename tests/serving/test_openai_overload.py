@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -15,13 +14,6 @@ from tests.serving.test_overload import full_queue
 from tests.support import ServerProcess
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def small(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
-    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "900"]
-    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
-        yield srv
 
 
 def test_full_queue_is_429_rate_limit_error(small: ServerProcess) -> None:

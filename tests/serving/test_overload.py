@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import grpc
 import httpx
@@ -19,13 +18,6 @@ from tests.support import ServerProcess
 
 # holds its row for 900 steps of the tiny model, never ending early
 LONG = {"text_input": "Go on", "parameters": {"max_tokens": 900, "ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def small(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
-    extra = ["--max-batch-size", "1", "--max-waiting", "1", "--max-tokens-limit", "900"]
-    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
-        yield srv
 
 
 def waiting_requests(server: ServerProcess) -> float:

@@ -33,6 +33,7 @@ from predictor.engine.runners.native import (
     DecodeAttention,
     decode_attention,
     int4_matmul,
+    int8_matmul,
     usable_isas,
 )
 from predictor.engine.runners.plan import StepPlan
@@ -172,11 +173,15 @@ class ModelRunner:
         linears = [getattr(f, kind) for f, kind in fused]
         threads = torch.get_num_threads()
         isas = usable_isas()
-        if linears and isas and self._autotune_cache is not None:
-            try:  # built into the cache folder, or loaded from it
-                int4_matmul(isas[0], self._autotune_cache / "native")
-            except NativeUnavailable as error:
-                logger.warning("native int4 matmul unavailable: %s", error)
+        if isas and self._autotune_cache is not None:
+            # built into the cache folder, or loaded from it (the head's int8 kernel too: it
+            # was compiled afresh at every start, about a second before the server was ready)
+            builds = [("int4", int4_matmul)] if linears else []
+            for name, build in [*builds, ("int8", int8_matmul)]:
+                try:
+                    build(isas[0], self._autotune_cache / "native")
+                except NativeUnavailable as error:
+                    logger.warning("native %s matmul unavailable: %s", name, error)
         self.choices, self._head = autotune.tune(
             linears, [kind for _, kind in fused], self._lm_head, threads,
             self._autotune_cache, self.kernel,

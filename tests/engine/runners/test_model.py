@@ -103,3 +103,30 @@ def test_a_kernel_that_cannot_run_is_refused_at_start(
     kernels = {k for plan in runner.choices.plans.values() for _, k in plan}
     assert not any(k.startswith("native_") for k in kernels)
     assert torch.isfinite(logits).all()
+
+
+def test_the_native_matmuls_are_built_into_the_autotune_cache_once(
+    tiny_gptq: Any, tmp_path: Any, monkeypatch: Any
+) -> None:
+    """Both the int4 projections' and the int8 head's libraries: the head's was compiled afresh
+    at every start (about a second before the server was ready)."""
+    import pytest
+
+    from predictor.engine.runners import native
+
+    if not native.usable_isas():
+        pytest.skip("no instruction set the native kernels are built for")
+
+    def bound() -> dict[str, int]:
+        monkeypatch.setattr(native, "_INT4", {})  # as in a new process
+        monkeypatch.setattr(native, "_INT8", {})
+        runner = ModelRunner(
+            tiny_gptq.model, torch.device("cpu"), 64, 16, attention="torch",
+            autotune_cache=tmp_path,
+        )  # fmt: skip
+        runner.bind_thread()
+        return {p.name: p.stat().st_mtime_ns for p in (tmp_path / "native").glob("*.so")}
+
+    first = bound()
+    assert sorted(name.split("-")[0] for name in first) == ["int4_matmul", "int8_matmul"]
+    assert bound() == first  # loaded from the cache, not built again
