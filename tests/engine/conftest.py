@@ -18,6 +18,7 @@ from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams, TokenEvent
+from tests.support import worker_cores
 
 
 @dataclass
@@ -35,7 +36,7 @@ class Tiny:
 def tiny_dense(tiny_dense_dir: Path) -> Tiny:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(min(2, worker_cores()))
     model = AutoModelForCausalLM.from_pretrained(tiny_dense_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_dense_dir)
     return Tiny(model, tokenizer, frozenset({tokenizer.eos_token_id}), tokenizer.eos_token_id)
@@ -43,7 +44,7 @@ def tiny_dense(tiny_dense_dir: Path) -> Tiny:
 
 @pytest.fixture(scope="session")
 def tiny_gptq(tiny_gptq_dir: Path) -> LoadedModel:
-    return load_checkpoint(tiny_gptq_dir, device="cpu", threads=2)
+    return load_checkpoint(tiny_gptq_dir, device="cpu", threads=min(2, worker_cores()))
 
 
 @dataclass

@@ -7,10 +7,14 @@ import statistics
 import threading
 import time
 
+import pytest
+
 from predictor.engine.batch import Sequence
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.types import SamplingParams, TokenEvent
 from tests.engine.conftest import Tiny, new_loop
+
+pytestmark = pytest.mark.serial  # gaps against their median: a neighbour's work widens them
 
 
 class Clocked:

@@ -180,6 +180,7 @@ MIN_EVENTS = 300  # tokens each reader's stream has before it closes: enough for
 
 
 @pytest.mark.model
+@pytest.mark.serial
 def test_a_4mib_prompt_does_not_stall_other_streams(model_server: ServerProcess) -> None:
     huge = "The quick brown fox jumps over the lazy dog. " * (4 * MiB // 45)
     body = {"text_input": huge, "parameters": {"max_tokens": 2, "chat": True}}
@@ -312,6 +313,7 @@ def test_n_prompts_with_one_too_long_run_none(server: ServerProcess) -> None:
 # -- point 6 and 9: unary requests stop when the client leaves ------------------------------------
 
 
+@pytest.mark.serial  # tokens made while this process notices and cancels
 @pytest.mark.parametrize("route", ["generate", "infer", "openai"])
 def test_unary_request_is_cancelled_when_the_client_disconnects(
     server: ServerProcess, route: str
@@ -342,6 +344,7 @@ def test_unary_request_is_cancelled_when_the_client_disconnects(
     assert generated < 250, f"{generated} tokens generated for a client that left"
 
 
+@pytest.mark.serial
 def test_streaming_disconnect_stops_generation(server: ServerProcess) -> None:
     wait_idle(server)
     before = engine_tokens(server)
