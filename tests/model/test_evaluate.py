@@ -62,10 +62,11 @@ def test_each_text_holds_the_tokens_scored(tokenizer_dir: Path) -> None:
 
 
 def test_perplexity_of_a_gptq_checkpoint_is_finite(tiny_gptq_dir: Path) -> None:
-    report = evaluate(tiny_gptq_dir, threads=1)
+    # 1,024 tokens of each text: the whole texts are scored in `against_source`
+    report = evaluate(tiny_gptq_dir, threads=1, max_tokens=1024)
     assert report.checkpoint.kind == "gptq"
     assert report.checkpoint.kernel != "none"
-    assert report.checkpoint.tokens == MAX_TOKENS
+    assert report.checkpoint.tokens == 1024
     assert math.isfinite(report.checkpoint.perplexity) and report.checkpoint.perplexity > 1
     assert math.isfinite(report.checkpoint.validation_perplexity)
     assert report.checkpoint.validation_perplexity != report.checkpoint.perplexity
@@ -83,6 +84,7 @@ def test_a_checkpoint_against_itself_has_ratio_one_and_full_agreement(tiny_gptq_
 
 def test_gptq_against_its_fp_source(against_source: QualityReport) -> None:
     assert against_source.reference is not None
+    assert against_source.checkpoint.tokens == against_source.reference.tokens == MAX_TOKENS
     assert against_source.reference.kind == "fp"
     assert against_source.reference.kernel == "float32"
     assert against_source.ratio is not None and math.isfinite(against_source.ratio)
@@ -113,7 +115,7 @@ def test_gate_passes_under_the_bar(
 
 def test_gate_refuses_a_report_without_reference(tiny_gptq_dir: Path) -> None:
     with pytest.raises(SystemExit, match="not compared with a reference"):
-        gate(evaluate(tiny_gptq_dir, threads=1), max_ratio=10.0)
+        gate(evaluate(tiny_gptq_dir, threads=1, max_tokens=512), max_ratio=10.0)
 
 
 def test_cli_prints_a_table_writes_json_and_shows_progress(
