@@ -18,13 +18,14 @@ from predictor.config import FUSED_KERNELS, Settings
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.native import build_matmuls_in_background, library_cache
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step import Runner
 from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
 from predictor.model.layout import resolve_checkpoint_dir, served_name
-from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only
+from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
 from predictor.observability.metrics import Metrics
 from predictor.protocols.limits import Limits
 from predictor.serving.kserve_argv import hide_argv_from_kserve
@@ -101,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if settings.runner == "null":
             loaded = load_tokenizer_only(model_dir)
         else:
+            if settings.autotune_dir is not None and pick_device(settings.device).type == "cpu":
+                # the compiler runs while the checkpoint loads (a first start: seconds)
+                build_matmuls_in_background(library_cache(settings.autotune_dir))
             loaded = load_checkpoint(model_dir, settings.device, threads=1, kernel=settings.kernel)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)

@@ -13,7 +13,7 @@ Linear replacement works; attention and the cache are ours. Llama-family decoder
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +31,12 @@ from predictor.engine.runners.int4_linear import (
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
 from predictor.engine.runners.native import (
     DecodeAttention,
+    Int4Kernel,
+    Int8Kernel,
     decode_attention,
     int4_matmul,
     int8_matmul,
+    library_cache,
     usable_isas,
 )
 from predictor.engine.runners.plan import StepPlan
@@ -176,12 +179,18 @@ class ModelRunner:
         if isas and self._autotune_cache is not None:
             # built into the cache folder, or loaded from it (the head's int8 kernel too: it
             # was compiled afresh at every start, about a second before the server was ready)
-            builds = [("int4", int4_matmul)] if linears else []
-            for name, build in [*builds, ("int8", int8_matmul)]:
+            builds: list[tuple[str, Callable[[str, Path], Int4Kernel | Int8Kernel]]] = [
+                ("int8", int8_matmul)
+            ]
+            if linears:
+                builds.insert(0, ("int4", int4_matmul))
+            for name, build in builds:
                 try:
-                    build(isas[0], self._autotune_cache / "native")
+                    library = build(isas[0], library_cache(self._autotune_cache))
                 except NativeUnavailable as error:
                     logger.warning("native %s matmul unavailable: %s", name, error)
+                else:  # logged here: the build may have run before logging was set up
+                    logger.info("native %s matmul ready (%s)", name, library.describe())
         self.choices, self._head = autotune.tune(
             linears, [kind for _, kind in fused], self._lm_head, threads,
             self._autotune_cache, self.kernel,

@@ -21,6 +21,7 @@ torch loaded serves both: one pool).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -29,6 +30,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,16 +232,21 @@ class Int4Kernel:
     def packed_bytes(n: int, k: int, group_size: int) -> int:
         return -(-n // 16) * (k // group_size) * (64 + group_size * 8)
 
+    def describe(self) -> str:
+        return f"{self.isa}, {self.width} columns a vector" + (", OpenMP" if self.threaded else "")
+
 
 _INT4: dict[str, Int4Kernel] = {}
+_INT4_BUILD = threading.Lock()  # a call while another thread builds waits for its library
 
 
 def int4_matmul(isa: str, cache_dir: Path | None = None) -> Int4Kernel:
     """int4_matmul.c built for `isa` (once a process: the first call's `cache_dir` serves, see
     _build); NativeUnavailable if this CPU lacks it or no build works."""
-    if isa not in _INT4:
-        _INT4[isa] = _int4_matmul(isa, cache_dir)
-    return _INT4[isa]
+    with _INT4_BUILD:
+        if isa not in _INT4:
+            _INT4[isa] = _int4_matmul(isa, cache_dir)
+        return _INT4[isa]
 
 
 def _matmul_library(isa: str, source: Path, cache_dir: Path | None) -> ctypes.CDLL:
@@ -269,7 +276,6 @@ def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
     matmul.argtypes += [integer, integer]
     threaded = bool(lib.int4_threaded())
     width = int(lib.int4_vector_width())
-    logger.info("native int4 matmul compiled (%s, %d columns a vector)", isa, width)
     return Int4Kernel(isa, width, threaded, repack, matmul)
 
 
@@ -286,16 +292,51 @@ class Int8Kernel:
     rows: Callable[[int, int, int, int, int, int], int]
     nbytes: Callable[[int, int], int]
 
+    def describe(self) -> str:
+        return self.isa
+
 
 _INT8: dict[str, Int8Kernel] = {}
+_INT8_BUILD = threading.Lock()
 
 
 def int8_matmul(isa: str, cache_dir: Path | None = None) -> Int8Kernel:
     """int8_matmul.c built for `isa` (once a process, as int4_matmul); NativeUnavailable if this
     CPU lacks it or no build works."""
-    if isa not in _INT8:
-        _INT8[isa] = _int8_matmul(isa, cache_dir)
-    return _INT8[isa]
+    with _INT8_BUILD:
+        if isa not in _INT8:
+            _INT8[isa] = _int8_matmul(isa, cache_dir)
+        return _INT8[isa]
+
+
+def library_cache(autotune_cache: Path) -> Path:
+    """Where the compiled matmul libraries are kept: beside the autotune's choices."""
+    return autotune_cache / "native"
+
+
+def build_matmuls_in_background(cache_dir: Path) -> list[threading.Thread]:
+    """Start building (or loading from `cache_dir`) the int4 and int8 matmul libraries for this
+    CPU's widest instruction set, the ones the runner's autotune takes (ModelRunner._tune),
+    each on a thread of its own: the compiler then runs while the checkpoint loads, and the
+    runner's own calls find them built or wait for them. On a first start int4_matmul.c and
+    int8_matmul.c take seconds to compile. A build that fails is retried by the runner's call,
+    which reports it."""
+    isas = usable_isas()
+    if not isas:
+        return []
+    threads = [
+        threading.Thread(target=_build_quietly, args=(build, isas[0], cache_dir),
+                         name=f"build-{build.__name__}", daemon=True)
+        for build in (int4_matmul, int8_matmul)
+    ]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _build_quietly(build: Callable[[str, Path], object], isa: str, cache_dir: Path) -> None:
+    with contextlib.suppress(NativeUnavailable):
+        build(isa, cache_dir)
 
 
 def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
@@ -316,7 +357,6 @@ def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
     rows.argtypes = [pointer, integer, integer, pointer, integer, pointer]
     nbytes.restype = ctypes.c_size_t
     nbytes.argtypes = [integer, integer]
-    logger.info("native int8 matmul compiled (%s)", isa)
     return Int8Kernel(isa, quantize, matmul, rows, nbytes)
 
 

@@ -179,3 +179,40 @@ def test_layer_ops_split_rows_over_threads_with_the_same_numbers() -> None:
     assert torch.allclose(normed.float(), expected, rtol=1e-2, atol=1e-2)
     gate, up = gate_up.float().split(inner, -1)
     assert torch.allclose(silu.float(), torch.nn.functional.silu(gate) * up, rtol=1e-2, atol=1e-2)
+
+
+@needs_compiler
+def test_the_matmuls_build_in_the_background_once(tmp_path: Any, monkeypatch: Any) -> None:
+    """`python -m predictor` starts both builds before loading the checkpoint; the runner's own
+    call, made while a build runs, waits for that build's library instead of starting another."""
+    import threading
+    from pathlib import Path
+
+    if not native.usable_isas():
+        pytest.skip("no instruction set the native kernels are built for")
+    monkeypatch.setattr(native, "_INT4", {})  # as in a new process
+    monkeypatch.setattr(native, "_INT8", {})
+    built: list[str] = []
+    started = {name: threading.Event() for name in ("int4_matmul.c", "int8_matmul.c")}
+    real = native._matmul_library
+
+    def counted(isa: str, source: Path, cache_dir: Path | None) -> Any:
+        built.append(source.name)
+        started[source.name].set()  # under the lock of its kind
+        return real(isa, source, cache_dir)
+
+    monkeypatch.setattr(native, "_matmul_library", counted)
+    cache = native.library_cache(tmp_path)
+    threads = native.build_matmuls_in_background(cache)
+    assert [t.name for t in threads] == ["build-int4_matmul", "build-int8_matmul"]
+    assert all(event.wait(30) for event in started.values())
+    isa = native.usable_isas()[0]
+    int4, int8 = native.int4_matmul(isa), native.int8_matmul(isa)  # no cache_dir: theirs serve
+    for thread in threads:
+        thread.join(120)
+    assert sorted(built) == ["int4_matmul.c", "int8_matmul.c"]  # each built once
+    assert native.int4_matmul(isa) is int4 and native.int8_matmul(isa) is int8
+    assert sorted(p.name.split("-")[0] for p in cache.glob("*.so")) == [
+        "int4_matmul",
+        "int8_matmul",
+    ]
