@@ -13,7 +13,7 @@ Linear replacement works; attention and the cache are ours. Llama-family decoder
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,9 @@ from predictor.engine.runners.int4_linear import (
 )
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
 from predictor.engine.runners.native import (
+    MATMULS,
     DecodeAttention,
-    Int4Kernel,
-    Int8Kernel,
     decode_attention,
-    int4_matmul,
-    int8_matmul,
     library_cache,
     usable_isas,
 )
@@ -179,12 +176,9 @@ class ModelRunner:
         if isas and self._autotune_cache is not None:
             # built into the cache folder, or loaded from it (the head's int8 kernel too: it
             # was compiled afresh at every start, about a second before the server was ready)
-            builds: list[tuple[str, Callable[[str, Path], Int4Kernel | Int8Kernel]]] = [
-                ("int8", int8_matmul)
-            ]
-            if linears:
-                builds.insert(0, ("int4", int4_matmul))
-            for name, build in builds:
+            for name, build in MATMULS.items():
+                if name == "int4" and not linears:
+                    continue  # no int4 projections to serve
                 try:
                     library = build(isas[0], library_cache(self._autotune_cache))
                 except NativeUnavailable as error:

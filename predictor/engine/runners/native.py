@@ -309,25 +309,31 @@ def int8_matmul(isa: str, cache_dir: Path | None = None) -> Int8Kernel:
         return _INT8[isa]
 
 
+# The matmul libraries the runner takes at start (ModelRunner._tune), for the widest
+# instruction set, into library_cache: the int4 projections' and the int8 head's.
+MATMULS: dict[str, Callable[[str, Path], Int4Kernel | Int8Kernel]] = {
+    "int4": int4_matmul,
+    "int8": int8_matmul,
+}
+
+
 def library_cache(autotune_cache: Path) -> Path:
     """Where the compiled matmul libraries are kept: beside the autotune's choices."""
     return autotune_cache / "native"
 
 
 def build_matmuls_in_background(cache_dir: Path) -> list[threading.Thread]:
-    """Start building (or loading from `cache_dir`) the int4 and int8 matmul libraries for this
-    CPU's widest instruction set, the ones the runner's autotune takes (ModelRunner._tune),
-    each on a thread of its own: the compiler then runs while the checkpoint loads, and the
-    runner's own calls find them built or wait for them. On a first start int4_matmul.c and
-    int8_matmul.c take seconds to compile. A build that fails is retried by the runner's call,
-    which reports it."""
+    """Start building (or loading from `cache_dir`) the MATMULS, each on a thread of its own:
+    the compiler then runs while the checkpoint loads, and the runner's own calls find them
+    built or wait for them. On a first start int4_matmul.c and int8_matmul.c take seconds to
+    compile. A build that fails is retried by the runner's call, which reports it."""
     isas = usable_isas()
     if not isas:
         return []
     threads = [
         threading.Thread(target=_build_quietly, args=(build, isas[0], cache_dir),
                          name=f"build-{build.__name__}", daemon=True)
-        for build in (int4_matmul, int8_matmul)
+        for build in MATMULS.values()
     ]  # fmt: skip
     for thread in threads:
         thread.start()

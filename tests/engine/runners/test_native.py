@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 import shutil
+import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,9 +187,6 @@ def test_layer_ops_split_rows_over_threads_with_the_same_numbers() -> None:
 def test_the_matmuls_build_in_the_background_once(tmp_path: Any, monkeypatch: Any) -> None:
     """`python -m predictor` starts both builds before loading the checkpoint; the runner's own
     call, made while a build runs, waits for that build's library instead of starting another."""
-    import threading
-    from pathlib import Path
-
     if not native.usable_isas():
         pytest.skip("no instruction set the native kernels are built for")
     monkeypatch.setattr(native, "_INT4", {})  # as in a new process
