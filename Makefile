@@ -24,8 +24,8 @@ FP_MODEL_DIR := models/smollm2-135m-instruct-fp
 MAX_PPL_RATIO ?= 1.10
 STAMP := $(VENV)/.installed
 # `make test` runs the tests in one process per core, at most 4 (pytest-xdist, a file per worker:
-# most tests wait on a server subprocess of one thread), then the `serial` ones (bars against
-# the clock) by themselves. Plain `pytest` runs them all in one process.
+# most tests wait on a server subprocess of one thread); a test marked `serial` (a bar against the
+# clock) runs while the other workers wait (tests/conftest.py). Plain `pytest`: one process.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 USERS ?= 1 4 16
 SECONDS ?= 30
@@ -67,8 +67,7 @@ run: install model
 	$(BIN)/python -m predictor --model-dir $(MODEL_DIR)
 
 test: install model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check predictor tests load

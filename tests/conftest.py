@@ -16,10 +16,46 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
-from tests.support import ServerProcess, build_tiny_dense, build_tiny_gptq, save_tokenizer  # noqa: E402
+from tests.support import (  # noqa: E402
+    ServerProcess,
+    build_tiny_dense,
+    build_tiny_gptq,
+    save_tokenizer,
+    taking_turns,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct-gptq"
+
+
+def _run_id(item: pytest.Item) -> str | None:
+    """The pytest-xdist run this worker belongs to (`make test`); None in a plain pytest."""
+    workerinput = getattr(item.config, "workerinput", None)
+    return None if workerinput is None else str(workerinput["testrunuid"])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under pytest-xdist, a test holds a shared turn for its setup, call and teardown (module
+    fixtures included), unless it is marked `serial`: see pytest_runtest_call."""
+    run_id = _run_id(item)
+    if run_id is None or item.get_closest_marker("serial") is not None:
+        yield
+        return
+    with taking_turns(run_id, alone=False):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test marked `serial` runs its call, the part it times, while the other workers wait
+    between tests; its fixtures start and stop beside their tests."""
+    run_id = _run_id(item)
+    if run_id is None or item.get_closest_marker("serial") is None:
+        yield
+        return
+    with taking_turns(run_id, alone=True):
+        yield
 
 
 @pytest.fixture(scope="session")

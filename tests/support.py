@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import tempfile
@@ -22,6 +23,31 @@ def worker_cores() -> int:
     other, many times slower."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+
+
+@contextmanager
+def taking_turns(run_id: str, alone: bool) -> Iterator[None]:
+    """Hold this test process's turn while a test runs, beside the other pytest-xdist workers of
+    run `run_id`: any number of tests at once, but a test that runs `alone` waits for the others'
+    current tests to end, and the others wait for it.
+
+    A readers-writer lock of two `flock`s: everyone passes a turnstile, which a test that runs
+    alone keeps closed while it waits and runs, so a stream of the others' tests cannot starve it.
+    """
+    base = Path(tempfile.gettempdir()) / f"gptq-predictor-tests-{run_id}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.turn", "a") as turn:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 def save_tokenizer(out: Path) -> Path:
