@@ -181,28 +181,51 @@ def perplexity(model: Any, ids: Sequence[int], window: int, progress: Progress) 
 def greedy_sequences(
     candidate: Candidate, prompts: Sequence[str], new_tokens: int, progress: Progress
 ) -> list[tuple[list[int], int]]:
-    """The model's greedy answer to each chat prompt: (prompt + answer ids, prompt length)."""
+    """The model's greedy answer to each chat prompt: (prompt + answer ids, prompt length).
+
+    The prompts are answered in one left-padded batch: each of the `new_tokens` steps reads the
+    weights once for all of them (2.4 s against 9.3 s one by one for SmolLM2 in fp32, 2 Zen 5
+    cores, and the same tokens: tests/model/test_evaluate.py). A row's answer ends at its first
+    end-of-sequence token, as a generate call of its own would stop there.
+    """
     import torch
 
     model, tokenizer = candidate.model, candidate.tokenizer
-    sequences = []
-    for number, prompt in enumerate(prompts, 1):
-        progress(f"greedy answer {number}/{len(prompts)}")
+    progress(f"greedy answers to {len(prompts)} prompts, in one batch")
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
         inputs = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
+            [[{"role": "user", "content": prompt}] for prompt in prompts],
             add_generation_prompt=True,
             return_tensors="pt",
             return_dict=True,
+            padding=True,
         ).to(next(model.parameters()).device)
-        with torch.inference_mode():
-            out = model.generate(
-                **inputs,
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
-            )
-        sequences.append((out[0].tolist(), int(inputs["input_ids"].shape[1])))
+    finally:
+        tokenizer.padding_side = side
+    with torch.inference_mode():
+        out = model.generate(
+            **inputs,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        )
+    stops = _eos_ids(model)
+    width = int(inputs["input_ids"].shape[1])
+    sequences = []
+    for row, mask in zip(out.tolist(), inputs["attention_mask"].tolist(), strict=True):
+        prompt = row[width - sum(mask) : width]
+        answer = row[width:]
+        ends = [i for i, token in enumerate(answer) if token in stops]
+        sequences.append((prompt + answer[: ends[0] + 1 if ends else None], len(prompt)))
     return sequences
+
+
+def _eos_ids(model: Any) -> set[int]:
+    value = model.generation_config.eos_token_id
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, list | tuple) else {int(value)}
 
 
 def next_token_choices(

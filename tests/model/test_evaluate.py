@@ -20,6 +20,8 @@ from predictor.model.evaluate import (
     QualityReport,
     checkpoint_kind,
     evaluate,
+    greedy_sequences,
+    load_candidate,
     main,
     text_ids,
 )
@@ -30,6 +32,40 @@ from predictor.model.quantize import QUALITY_FILE, build_default_model, calibrat
 def against_source(tiny_gptq_dir: Path, tiny_dense_dir: Path) -> QualityReport:
     """The tiny GPTQ checkpoint scored against the fp checkpoint it was quantized from."""
     return evaluate(tiny_gptq_dir, tiny_dense_dir, threads=1, cache=False)  # the fixture stays
+
+
+def _one_by_one(candidate: Any, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
+    """Each prompt's greedy answer from a generate call of its own, unpadded."""
+    import torch
+
+    sequences = []
+    for prompt in prompts:
+        inputs = candidate.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True,
+            return_tensors="pt", return_dict=True,
+        )  # fmt: skip
+        with torch.inference_mode():
+            out = candidate.model.generate(**inputs, max_new_tokens=new_tokens, do_sample=False)
+        sequences.append((out[0].tolist(), int(inputs["input_ids"].shape[1])))
+    return sequences
+
+
+def test_greedy_answers_in_one_batch_are_those_one_by_one(tiny_dense_dir: Path) -> None:
+    """Left padding changes no answer; a row stops at its end-of-sequence token as a call of its
+    own does (here a token the first answer makes is taken as that token)."""
+    candidate = load_candidate(tiny_dense_dir, threads=1)
+    prompts = ["Hi", "Tell me a long story about a lighthouse keeper and the sea.", "2+2?"]
+    messages: list[str] = []
+    batched = greedy_sequences(candidate, prompts, 8, messages.append)
+    assert batched == _one_by_one(candidate, prompts, 8)
+    assert messages == ["greedy answers to 3 prompts, in one batch"]
+    assert candidate.tokenizer.padding_side == "right"  # put back
+    first, prompt_length = batched[0]
+    answer = first[prompt_length:]
+    candidate.model.generation_config.eos_token_id = answer[2]
+    stopped = greedy_sequences(candidate, prompts, 8, messages.append)
+    assert stopped == _one_by_one(candidate, prompts, 8)
+    assert stopped[0][0][prompt_length:] == answer[: answer.index(answer[2]) + 1]  # ends there
 
 
 def _sentences(path: Path) -> list[str]:
