@@ -60,6 +60,10 @@ def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
         tensor = {"name": "text_input", "shape": [1], "datatype": "BYTES", "data": ["x"]}
         infer = httpx.post(f"{srv.base_url}/v2/models/tiny/infer", json={"inputs": [tensor]})
         assert infer.status_code == 503
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        openai = httpx.post(f"{srv.base_url}/v1/chat/completions", json=chat, timeout=5)
+        assert openai.status_code == 503  # in OpenAI's error shape
+        assert set(openai.json()["error"]) == {"message", "type", "param", "code"}
     assert events[-1]["finish_reason"] == "length"
     assert events[-1]["details"]["generated_tokens"] == 500
 

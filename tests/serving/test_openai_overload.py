@@ -1,14 +1,11 @@
-"""429 and 503 on the OpenAI routes, in OpenAI's error shape, as on the other routes."""
+"""429 on the OpenAI routes, in OpenAI's error shape, as on the other routes (503: test_drain.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.serving.test_drain import stream_then_sigterm
 from tests.serving.test_grpc_stream import wait_idle
 from tests.serving.test_overload import full_queue
 from tests.support import ServerProcess
@@ -37,9 +34,5 @@ def test_n_choices_past_the_queue_are_refused_whole(small: ServerProcess) -> Non
     wait_idle(small)
 
 
-def test_draining_server_answers_503(tiny_gptq_dir: Path) -> None:
-    with stream_then_sigterm(tiny_gptq_dir, drain_seconds=30) as (srv, events):
-        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=CHAT, timeout=5)
-        assert r.status_code == 503
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    assert events[-1]["finish_reason"] == "length"
+# A draining server's 503 on the OpenAI routes: tests/serving/test_drain.py (one draining server
+# answers every route).
