@@ -28,21 +28,24 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct-gptq"
 
 
-def _run_id(item: pytest.Item) -> str | None:
-    """The pytest-xdist run this worker belongs to (`make test`); None in a plain pytest."""
-    workerinput = getattr(item.config, "workerinput", None)
-    return None if workerinput is None else str(workerinput["testrunuid"])
+def _turns(item: pytest.Item) -> Path | None:
+    """Where the pytest-xdist workers of this run (`make test`) take turns: the run's own temp
+    folder, which holds each worker's and which pytest prunes; None in a plain pytest."""
+    if getattr(item.config, "workerinput", None) is None:
+        return None
+    factory: pytest.TempPathFactory = item.config._tmp_path_factory  # what tmp_path_factory is
+    return factory.getbasetemp().parent
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under pytest-xdist, a test holds a shared turn for its setup, call and teardown (module
     fixtures included), unless it is marked `serial`: see pytest_runtest_call."""
-    run_id = _run_id(item)
-    if run_id is None or item.get_closest_marker("serial") is not None:
+    folder = _turns(item)
+    if folder is None or item.get_closest_marker("serial") is not None:
         yield
         return
-    with taking_turns(run_id, alone=False):
+    with taking_turns(folder, alone=False):
         yield
 
 
@@ -50,11 +53,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     """A test marked `serial` runs its call, the part it times, while the other workers wait
     between tests; its fixtures start and stop beside their tests."""
-    run_id = _run_id(item)
-    if run_id is None or item.get_closest_marker("serial") is None:
+    folder = _turns(item)
+    if folder is None or item.get_closest_marker("serial") is None:
         yield
         return
-    with taking_turns(run_id, alone=True):
+    with taking_turns(folder, alone=True):
         yield
 
 

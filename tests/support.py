@@ -26,16 +26,15 @@ def worker_cores() -> int:
 
 
 @contextmanager
-def taking_turns(run_id: str, alone: bool) -> Iterator[None]:
-    """Hold this test process's turn while a test runs, beside the other pytest-xdist workers of
-    run `run_id`: any number of tests at once, but a test that runs `alone` waits for the others'
-    current tests to end, and the others wait for it.
+def taking_turns(folder: Path, alone: bool) -> Iterator[None]:
+    """Hold this test process's turn while a test runs, beside the other pytest-xdist workers
+    that share `folder`: any number of tests at once, but a test that runs `alone` waits for the
+    others' current tests to end, and the others wait for it.
 
     A readers-writer lock of two `flock`s: everyone passes a turnstile, which a test that runs
     alone keeps closed while it waits and runs, so a stream of the others' tests cannot starve it.
     """
-    base = Path(tempfile.gettempdir()) / f"gptq-predictor-tests-{run_id}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.turn", "a") as turn:
+    with open(folder / "turnstile.lock", "a") as turnstile, open(folder / "turn.lock", "a") as turn:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         try:
             fcntl.flock(turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
