@@ -222,6 +222,8 @@ def greedy_sequences(
 
 
 def _eos_ids(model: Any) -> set[int]:
+    """The tokens `generate` stops at: its generation config's alone (the server's own set,
+    loader._eos_ids, also takes the config's and the tokenizer's)."""
     value = model.generation_config.eos_token_id
     if value is None:
         return set()
