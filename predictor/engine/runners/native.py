@@ -24,19 +24,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from predictor import toolchain
 from predictor.config import NATIVE_ISAS
 from predictor.errors import NativeUnavailable
+from predictor.toolchain import cpu_flags as cpu_flags
+from predictor.toolchain import cpu_model as cpu_model
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +78,9 @@ THREADED: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-march=nativ
 def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttention:
     """The compiled kernel for these shapes; NativeUnavailable (with the compiler's words) if
     it cannot be built here."""
-    compiler = _compiler()
-    try:
-        lib = _build(
-            compiler,
-            [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"],
-            variants=THREADED,
-        )
-    except OSError as error:  # no writable temp folder, a noexec one, ...
-        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    lib = _build(
+        [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"], variants=THREADED
+    )
     function = lib.decode_attention_bf16
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.restype = None
@@ -99,107 +91,22 @@ def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttent
     return kernel
 
 
-def _compiler() -> str:
-    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "g++", "clang"]
-    compiler = next((name for name in names if shutil.which(name)), None)
-    if compiler is None:
-        raise NativeUnavailable(f"no C compiler (none of {', '.join(names)} found)")
-    return compiler
-
-
 def _build(
-    compiler: str,
     defines: list[str],
     source: Path = SOURCE,
     variants: Sequence[list[str]] = (["-march=native"], []),
     cache_dir: Path | None = None,
-) -> ctypes.PyDLL:
-    """Compile `source` with these -D constants and load it: the first of `variants` (extra
-    flags) that compiles; by default -march=native first (some compilers lack it). With a
-    `cache_dir`, the library is kept there under a digest of the source, the compiler, the
-    flags and this CPU, and loaded from there next time (int4_matmul.c takes seconds).
+) -> ctypes.CDLL:
+    """`source` compiled with FLAGS and these -D constants and loaded (predictor.toolchain:
+    the first of `variants` that compiles; with a `cache_dir`, kept there for next time:
+    int4_matmul.c takes seconds).
 
     Loaded as a PyDLL: calls keep the GIL. A CDLL call releases and retakes it, and a step makes
     ~300 such calls; in the server the event loop's thread takes the GIL at each release and the
     step thread waits up to a switch interval to get it back (measured: C=16 238 tok/s against
     412 with torch's kernels, though the step alone was faster). These kernels take
     microseconds; nothing else needs the GIL meanwhile."""
-    cached = None
-    if cache_dir is not None:
-        cached = (
-            cache_dir / f"{source.stem}-{_build_digest(compiler, defines, source, variants)}.so"
-        )
-        try:
-            return ctypes.PyDLL(str(cached))
-        except OSError:  # not there yet, or unloadable (noexec): build as usual
-            pass
-    with tempfile.TemporaryDirectory(prefix="gptq-predictor-native-") as folder:
-        library = Path(folder) / (source.stem + ".so")
-        errors = []
-        for arch in variants:
-            command = [compiler, *FLAGS, *arch, *defines, "-fPIC", "-shared"]
-            command += ["-x", "c", str(source), "-o", str(library)]  # C, even to g++
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as error:
-                raise NativeUnavailable(f"{compiler} failed: {error}") from error
-            if done.returncode == 0:
-                break
-            errors.append(done.stderr.strip()[-500:])
-        else:
-            raise NativeUnavailable(f"{compiler} failed: {' | '.join(errors)}")
-        if cached is not None:
-            _keep(library, cached)
-        return ctypes.PyDLL(str(library))  # mapped: the file may go with the folder
-
-
-def _build_digest(
-    compiler: str, defines: list[str], source: Path, variants: Sequence[list[str]]
-) -> str:
-    try:
-        version = subprocess.run(
-            [compiler, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True,
-            timeout=30,
-        ).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        version = ""
-    identity: list[object] = [source.read_text(), shutil.which(compiler) or compiler, version]
-    identity += [FLAGS, defines]
-    identity += [list(variants), cpu_model(), sorted(cpu_flags())]
-    return hashlib.sha256(repr(identity).encode()).hexdigest()[:20]
-
-
-def _keep(library: Path, target: Path) -> None:
-    """Copy the built library into the cache, whole or not at all."""
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = target.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(library, staging)
-        os.replace(staging, target)
-    except OSError as error:
-        logger.info("native library not cached in %s: %s", target.parent, error)
-
-
-def cpu_model() -> str:
-    """The CPU's model name from /proc/cpuinfo ("unknown" elsewhere)."""
-    return _cpuinfo_field("model name") or "unknown"
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    return frozenset(_cpuinfo_field("flags").split())
-
-
-def _cpuinfo_field(name: str) -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
-    return ""
+    return toolchain.build(source, FLAGS, defines, variants, cache_dir, loader=ctypes.PyDLL)
 
 
 def relevant_flags(flags: frozenset[str] | None = None) -> list[str]:
@@ -258,10 +165,7 @@ def _matmul_library(isa: str, source: Path, cache_dir: Path | None) -> ctypes.CD
     missing = sorted(set(needs) - cpu_flags())
     if missing:
         raise NativeUnavailable(f"this CPU lacks {', '.join(missing)} for the {isa} kernel")
-    try:
-        return _build(_compiler(), defines, source, [[*arch, "-fopenmp"], arch], cache_dir)
-    except OSError as error:
-        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    return _build(defines, source, [[*arch, "-fopenmp"], arch], cache_dir)
 
 
 def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
@@ -381,11 +285,7 @@ class LayerOps:
 @functools.lru_cache(maxsize=4)
 def layer_ops(head_dim: int) -> LayerOps:
     """layer_ops.c compiled for this head_dim; NativeUnavailable if it cannot be built here."""
-    compiler = _compiler()
-    try:
-        lib = _build(compiler, [f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED)
-    except OSError as error:
-        raise NativeUnavailable(f"the kernel could not be built or loaded: {error}") from error
+    lib = _build([f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED)
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     norm, rope, silu = lib.add_rms_norm, lib.rope_write, lib.silu_mul
     norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer, integer]
