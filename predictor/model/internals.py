@@ -10,13 +10,25 @@ that fails naming the item when a gptqmodel upgrade changes what we rely on.
 2. SUBSET_CALLBACK: the module looper reads the model's `subset_callback` attribute and calls its
    `subset_event(stage=..., layer_idx=..., subset_index=..., subset_total=..., module_names=...,
    processor=...)` (the only per-layer progress gptqmodel reports); quantize.py sets it.
+3. HOOKED_LINEAR_STOP: `gptqmodel.nn_modules.hooked_linear.HookedLinear.forward` calls
+   `self.forward_hook(self, (input,), output)` and, when `self.forward_hook_last`, raises
+   `STOP_FORWARD_EXCEPTION` (a `StopForward`) right after; its W4A replay and Hadamard paths
+   are keyed by `_w4a_stream_replay_mode`, `online_full_had`, `online_partial_had`; GPTQ's hook
+   reads only the input (`GPTQ.add_batch(inp, out)` of a Linear: `self.process_batch(inp)`).
+4. PROGRESS_BAR_DRAW: `logbar.progress.ProgressBar.draw(self, force=False)` renders the bar
+   and returns nothing; capture.py leaves it undrawn.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-ITEMS = ("QUANTIZER_FIND_PARAMS", "SUBSET_CALLBACK")
+ITEMS = (
+    "QUANTIZER_FIND_PARAMS",
+    "SUBSET_CALLBACK",
+    "HOOKED_LINEAR_STOP",
+    "PROGRESS_BAR_DRAW",
+)
 
 
 def quantizer_class() -> Any:
@@ -33,3 +45,23 @@ def searches_adjacent_zero_points(quantizer: Any) -> bool:
 def set_subset_callback(model: Any, callback: Any) -> None:
     """Per-layer progress events from gptqmodel's looper (item 2)."""
     model.subset_callback = callback
+
+
+def hooked_linear_class() -> Any:
+    """The Linear gptqmodel hooks during the forwards (item 3)."""
+    from gptqmodel.nn_modules.hooked_linear import HookedLinear
+
+    return HookedLinear
+
+
+def stop_forward() -> BaseException:
+    from gptqmodel.nn_modules.hooked_linear import STOP_FORWARD_EXCEPTION
+
+    return STOP_FORWARD_EXCEPTION.with_traceback(None)
+
+
+def progress_bar_class() -> Any:
+    """logbar's bar, drawn by gptqmodel's loop (item 4)."""
+    from logbar.progress import ProgressBar
+
+    return ProgressBar

@@ -117,6 +117,7 @@ def quantize_checkpoint(
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    from predictor.model.capture import lean_capture
     from predictor.model.scale_search import vectorised_scale_search
 
     dtype, _ = calibration_dtype(source, dtype)
@@ -127,7 +128,7 @@ def quantize_checkpoint(
     if progress is not None:
         progress.phase("layer", int(model.model.config.num_hidden_layers))
         internals.set_subset_callback(model, progress)  # its subset_event(stage=..., ...)
-    with vectorised_scale_search():
+    with vectorised_scale_search(), lean_capture():
         model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))
     keep_unquantized_in(out)

@@ -29,3 +29,31 @@ def test_item_subset_callback() -> None:
     emit = inspect.getsource(module_looper.ModuleLooper._emit_subset_event)
     for word in ("subset_event", "stage=", "layer_idx=", "subset_total=", "module_names="):
         assert word in emit, f"SUBSET_CALLBACK: {word} no longer passed"
+
+
+def test_item_hooked_linear_stop() -> None:
+    from gptqmodel.nn_modules.hooked_linear import StopForward
+
+    linear = internals.hooked_linear_class()
+    source = inspect.getsource(linear.forward)
+    for word in (
+        "self.forward_hook(self, (input,), output)",
+        "if self.forward_hook_last:",
+        "raise STOP_FORWARD_EXCEPTION",
+        "_w4a_stream_replay_mode",
+        "online_full_had",
+        "online_partial_had",
+    ):
+        assert word in source, f"HOOKED_LINEAR_STOP: {word} is gone"
+    assert isinstance(internals.stop_forward(), StopForward), "HOOKED_LINEAR_STOP"
+    from gptqmodel.quantization.gptq import GPTQ
+
+    add_batch = inspect.getsource(GPTQ.add_batch)
+    assert "self.process_batch(inp)" in add_batch, "HOOKED_LINEAR_STOP: GPTQ's batch"
+    assert "process_batch(inp, out" not in add_batch, "HOOKED_LINEAR_STOP: out is read now"
+
+
+def test_item_progress_bar_draw() -> None:
+    bar = internals.progress_bar_class()
+    parameters = list(inspect.signature(bar.draw).parameters)
+    assert parameters == ["self", "force"], "PROGRESS_BAR_DRAW: signature changed"
