@@ -214,7 +214,10 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         kind = type(default)
         convert = _bool if kind is bool else kind
         if env_name in env:
-            default = convert(env[env_name])
+            try:
+                default = convert(env[env_name])
+            except (ValueError, argparse.ArgumentTypeError):
+                parser.error(f"{env_name}={env[env_name]!r} is not a valid {kind.__name__}")
         parser.add_argument(
             flag,
             dest=f.name,

@@ -76,3 +76,13 @@ def test_the_default_thread_count_leaves_one_core_to_serving(
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
         assert Settings().torch_threads == threads
     assert Settings(threads=2).torch_threads == 2
+
+
+@pytest.mark.parametrize(("name", "value"), [("MAX_BATCH_SIZE", "abc"), ("MODEL_CONTROL", "maybe")])
+def test_a_bad_environment_value_is_a_usage_error_naming_it(
+    name: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        Settings.from_sources([], {f"PREDICTOR_{name}": value})
+    assert exit_.value.code == 2
+    assert f"PREDICTOR_{name}={value!r} is not a valid" in capsys.readouterr().err
