@@ -7,10 +7,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -23,9 +24,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class Process(Protocol):
+    """What the server's process is asked: subprocess.Popen's, or a forked one's (the tests')."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+# (the interpreter's arguments: "-m", "predictor", ...; the folder it runs in; its log file)
+Launch = Callable[[Sequence[str], Path, Path], Process]
+
+
+def popen(args: Sequence[str], cwd: Path, log_file: Path) -> subprocess.Popen[bytes]:
+    """A new interpreter: `python <args>` in `cwd`, stdout and stderr into `log_file`."""
+    with open(log_file, "wb") as log:
+        return subprocess.Popen(
+            [sys.executable, *args], cwd=cwd, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
 @dataclass
 class LocalServer:
-    process: subprocess.Popen[bytes]
+    process: Process
     http_port: int
     grpc_port: int
 
@@ -44,7 +75,7 @@ def _tail(log_file: Path, lines: int = 40) -> str:
     return "\n".join(log_file.read_text(errors="replace").splitlines()[-lines:])
 
 
-def wait_ready(process: subprocess.Popen[bytes], url: str, log_file: Path, timeout: float) -> None:
+def wait_ready(process: Process, url: str, log_file: Path, timeout: float) -> None:
     """Poll `url` until it answers 200; the log's tail if the server exits or the time runs out."""
     deadline = time.monotonic() + timeout
     while True:
@@ -68,17 +99,14 @@ def local_server(
     extra: Sequence[str] = (),
     ready_timeout: float = 600.0,
     tree: Path = REPO,
+    launch: Launch = popen,
 ) -> Iterator[LocalServer]:
     """Start the server (the checkout `tree`'s predictor), wait until it is ready, stop it with
     SIGTERM at the end."""
     http_port, grpc_port = free_port(), free_port()
-    with open(log_file, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "predictor", "--model-dir", model_dir,
-             "--model-name", model_name, "--http-port", str(http_port),
-             "--grpc-port", str(grpc_port), *extra],
-            cwd=tree, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    args = ["-m", "predictor", "--model-dir", model_dir, "--model-name", model_name,
+            "--http-port", str(http_port), "--grpc-port", str(grpc_port), *extra]  # fmt: skip
+    process = launch(args, tree, log_file)
     server = LocalServer(process, http_port, grpc_port)
     try:
         wait_ready(process, f"{server.base_url}/v2/health/ready", log_file, ready_timeout)

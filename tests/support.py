@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
+import functools
+import json
 import os
+import signal
 import subprocess
+import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from load.local_server import local_server
+from load.local_server import Process, local_server, popen
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LAYERS, TINY_HIDDEN, TINY_HEAD = 2, 128, 32
@@ -103,9 +110,124 @@ def build_tiny_gptq(dense_dir: Path, out: Path) -> Path:
     return out
 
 
+class ForkServer:
+    """tests/zygote.py beside this test process: a server started through `launch` is forked
+    from it, its imports done once (a new interpreter where that cannot serve: another checkout,
+    another command, a fork server that does not answer, or PREDICTOR_TEST_FORK=0)."""
+
+    def __init__(self) -> None:
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-m", "tests.zygote"], cwd=REPO,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )  # fmt: skip
+        self._changed = threading.Condition()
+        self._started: dict[int, dict[str, Any]] = {}
+        self._codes: dict[int, int] = {}
+        self._requests = 0
+        self._closed = False
+        threading.Thread(target=self._read_reports, name="fork-server", daemon=True).start()
+
+    def _read_reports(self) -> None:
+        assert self._zygote.stdout is not None
+        for line in self._zygote.stdout:
+            report = json.loads(line)
+            with self._changed:
+                if "code" in report:
+                    self._codes[report["pid"]] = report["code"]
+                else:
+                    self._started[report["id"]] = report
+                self._changed.notify_all()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def launch(self, args: Sequence[str], cwd: Path, log_file: Path) -> Process:
+        if list(args[:2]) != ["-m", "predictor"] or cwd.resolve() != REPO or self._closed:
+            return popen(args, cwd, log_file)
+        with self._changed:
+            self._requests += 1
+            request = self._requests
+        line = json.dumps({"id": request, "args": list(args[2:]), "cwd": str(cwd),
+                           "env": dict(os.environ), "log": str(log_file)})  # fmt: skip
+        assert self._zygote.stdin is not None
+        try:
+            self._zygote.stdin.write(line.encode() + b"\n")
+            self._zygote.stdin.flush()
+        except OSError:
+            return popen(args, cwd, log_file)
+        with self._changed:  # the first request waits for the imports (seconds)
+            self._changed.wait_for(lambda: request in self._started or self._closed, 120)
+            report = self._started.pop(request, {})
+        if "pid" not in report:
+            return popen(args, cwd, log_file)
+        return ForkedProcess(self, int(report["pid"]))
+
+    def exit_code(self, pid: int, timeout: float | None = 0.0) -> int | None:
+        """The child's exit code once it has ended (waiting up to `timeout`; None: for ever)."""
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._codes or self._closed, timeout)
+            if pid in self._codes:
+                return self._codes[pid]
+            return None if not self._closed or _alive(pid) else -signal.SIGKILL
+
+    def close(self) -> None:
+        if self._zygote.stdin is not None:
+            self._zygote.stdin.close()
+        try:
+            self._zygote.wait(10)
+        except subprocess.TimeoutExpired:
+            self._zygote.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class ForkedProcess:
+    """The part of subprocess.Popen the tests use, for a server the fork server started."""
+
+    fork_server: ForkServer
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.fork_server.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.fork_server.exit_code(self.pid, timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+@functools.cache
+def fork_server() -> ForkServer | None:
+    """This test process's fork server, started at its first server; None where it is off."""
+    if os.environ.get("PREDICTOR_TEST_FORK", "1") == "0":
+        return None
+    server = ForkServer()
+    atexit.register(server.close)
+    return server
+
+
 @dataclass
 class ServerProcess:
-    process: subprocess.Popen[bytes]
+    process: Process
     model_name: str
     http_port: int
     grpc_port: int
@@ -133,5 +255,9 @@ class ServerProcess:
         # model several times faster. The native path is served end to end by
         # tests/load/test_bench_peers.py (default flags) and checked in tests/engine.
         args = ["--threads", "1", "--attention", "torch", "--kernel", "int4_op", *extra]
-        with local_server(str(model_dir), model_name, log_path, args, timeout) as srv:
+        forks = fork_server()
+        launch = forks.launch if forks is not None else popen
+        with local_server(
+            str(model_dir), model_name, log_path, args, timeout, launch=launch
+        ) as srv:
             yield cls(srv.process, model_name, srv.http_port, srv.grpc_port, log_path)

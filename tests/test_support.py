@@ -1,12 +1,20 @@
-"""The test helpers' own rules: how pytest-xdist workers take turns with a `serial` test."""
+"""The test helpers' own rules: how pytest-xdist workers take turns with a `serial` test, and
+how the fork server (tests/zygote.py) starts `python -m predictor` as a new interpreter would."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from tests.support import taking_turns
+import httpx
+import pytest
+
+from tests.support import REPO, ForkedProcess, ForkServer, ServerProcess, fork_server, taking_turns
 
 
 def _hold(folder: Path, alone: bool, seconds: float, log: list[tuple[str, float, float]]) -> None:
@@ -36,3 +44,51 @@ def test_tests_share_turns_and_a_serial_one_runs_alone(tmp_path: Path) -> None:
     assert max(s1, s2) < min(e1, e2)  # the two shared turns overlapped
     assert a_start >= max(e1, e2) - 0.01  # the one alone began after both had ended
     assert l_start >= a_end - 0.01  # and the late shared turn after it
+
+
+@pytest.fixture(scope="module")
+def forks() -> Iterator[ForkServer]:
+    server = ForkServer()
+    yield server
+    server.close()
+
+
+def test_a_forked_predictor_gets_its_arguments_environment_and_log(
+    forks: ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "help.log"
+    process = forks.launch(["-m", "predictor", "--help"], REPO, log)
+    assert isinstance(process, ForkedProcess) and process.pid != os.getpid()
+    assert process.wait(60) == 0
+    assert "--model-dir" in log.read_text()  # argparse's help, on the log file
+    bad = forks.launch(["-m", "predictor", "--no-such-flag"], REPO, tmp_path / "bad.log")
+    assert bad.wait(60) == 2  # argparse's usage error, as from a new interpreter
+    assert "--no-such-flag" in (tmp_path / "bad.log").read_text()
+    monkeypatch.setenv("PREDICTOR_MAX_BATCH_SIZE", "not-a-number")  # the launch's environment
+    env = forks.launch(["-m", "predictor", "--model-dir", str(tmp_path)], REPO, tmp_path / "e")
+    assert env.wait(60) == 2
+    assert "PREDICTOR_MAX_BATCH_SIZE='not-a-number'" in (tmp_path / "e").read_text()
+
+
+def test_a_forked_server_serves_and_its_signalled_end_is_reported(tiny_gptq_dir: Path) -> None:
+    if fork_server() is None:
+        pytest.skip("PREDICTOR_TEST_FORK=0: servers are new interpreters")
+    with ServerProcess.start(tiny_gptq_dir, "tiny") as srv:
+        assert isinstance(srv.process, ForkedProcess)  # `make test`'s servers are forked
+        ready = httpx.get(f"{srv.base_url}/v2/health/ready", timeout=10)
+        assert ready.status_code == 200
+        assert srv.process.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            srv.process.wait(0.1)
+        srv.process.kill()
+        assert srv.process.wait(60) == -signal.SIGKILL
+        assert srv.process.poll() == -signal.SIGKILL
+
+
+def test_anything_else_starts_a_new_interpreter(forks: ForkServer, tmp_path: Path) -> None:
+    process = forks.launch(["-c", "print('fresh')"], REPO, tmp_path / "c.log")
+    assert isinstance(process, subprocess.Popen)
+    assert process.wait(60) == 0 and (tmp_path / "c.log").read_text() == "fresh\n"
+    other_tree = forks.launch(["-m", "predictor", "--help"], tmp_path, tmp_path / "t.log")
+    assert isinstance(other_tree, subprocess.Popen)
+    other_tree.wait(60)
