@@ -122,6 +122,13 @@ def _find_params(quantizer: Any, x: torch.Tensor, search: bool) -> None:
     quantizer.zero = zero.reshape(-1, 1)
 
 
+def _shrinks(quantizer: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The candidates' range factors, in gptqmodel's order: 1, 1 - 1/grid, ... (maxshrink)."""
+    grid = int(quantizer.grid)
+    steps = int(quantizer.maxshrink * grid)
+    return torch.tensor([1 - i / grid for i in range(steps)], dtype=dtype, device=device)
+
+
 def _search(
     quantizer: Any,
     x: torch.Tensor,  # [rows, columns]
@@ -134,9 +141,8 @@ def _search(
     power: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The candidate with the least sum |q(x) - x|^power per row; the first one on ties."""
-    grid = int(quantizer.grid)
-    steps = int(quantizer.maxshrink * grid)
-    shrink = torch.tensor([1 - i / grid for i in range(steps)], dtype=x.dtype, device=x.device)
+    shrink = _shrinks(quantizer, x.dtype, x.device)
+    steps = shrink.numel()
     rows, columns = x.shape
     per_chunk = max(1, CHUNK_ELEMENTS // max(1, rows * columns))
     best = torch.full([rows], float("inf"), device=x.device)
@@ -228,11 +234,10 @@ def _search_native(
     sym: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_search` for power 2 in C: the same candidates, sums and rule, in one pass."""
-    grid = int(quantizer.grid)
-    steps = int(quantizer.maxshrink * grid)
+    shrink = _shrinks(quantizer, torch.float32, torch.device("cpu"))
+    steps = shrink.numel()
     if steps > MAX_NATIVE_STEPS:
         return _search(quantizer, x, xmin, xmax, scale, zero, maxq, sym, 2.0)
-    shrink = torch.tensor([1 - i / grid for i in range(steps)], dtype=torch.float32)
     xmin, xmax = xmin.float().contiguous(), xmax.float().contiguous()
     best_scale = scale.float().contiguous().clone()
     best_zero = zero.float().contiguous().clone()
