@@ -11,16 +11,15 @@ from typing import Any
 import pytest
 
 from predictor.model import reference_cache
+from predictor.model.agreement import PROMPTS, greedy_sequences
 from predictor.model.evaluate import (
     MAX_TOKENS,
-    PROMPTS,
     TEST_TEXT,
     TEXTS,
     VALIDATION_TEXT,
     QualityReport,
     checkpoint_kind,
     evaluate,
-    greedy_sequences,
     load_candidate,
     main,
     text_ids,
