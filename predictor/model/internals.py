@@ -13,8 +13,10 @@ that fails naming the item when a gptqmodel upgrade changes what we rely on.
 3. HOOKED_LINEAR_STOP: `gptqmodel.nn_modules.hooked_linear.HookedLinear.forward` calls
    `self.forward_hook(self, (input,), output)` and, when `self.forward_hook_last`, raises
    `STOP_FORWARD_EXCEPTION` (a `StopForward`) right after; its W4A replay and Hadamard paths
-   are keyed by `_w4a_stream_replay_mode`, `online_full_had`, `online_partial_had`; GPTQ's hook
-   reads only the input (`GPTQ.add_batch(inp, out)` of a Linear: `self.process_batch(inp)`).
+   are keyed by `_w4a_stream_replay_mode`, `online_full_had`, `online_partial_had`, and
+   without them its output is `super().forward(input)` (F.linear), which capture.py computes or
+   reuses itself; GPTQ's hook reads only the input (`GPTQ.add_batch(inp, out)` of a Linear:
+   `self.process_batch(inp)`); a quantized weight is installed as `weight.data = wq`.
 4. PROGRESS_BAR_DRAW: `logbar.progress.ProgressBar.draw(self, force=False)` renders the bar
    and returns nothing; capture.py leaves it undrawn.
 """

@@ -43,6 +43,7 @@ def test_item_hooked_linear_stop() -> None:
         "_w4a_stream_replay_mode",
         "online_full_had",
         "online_partial_had",
+        "output = super().forward(input)",
     ):
         assert word in source, f"HOOKED_LINEAR_STOP: {word} is gone"
     assert isinstance(internals.stop_forward(), StopForward), "HOOKED_LINEAR_STOP"
@@ -51,6 +52,10 @@ def test_item_hooked_linear_stop() -> None:
     add_batch = inspect.getsource(GPTQ.add_batch)
     assert "self.process_batch(inp)" in add_batch, "HOOKED_LINEAR_STOP: GPTQ's batch"
     assert "process_batch(inp, out" not in add_batch, "HOOKED_LINEAR_STOP: out is read now"
+    from gptqmodel.looper import gptq_processor
+
+    installs = inspect.getsource(gptq_processor)
+    assert "module.weight.data = wq" in installs, "HOOKED_LINEAR_STOP: how wq is installed"
 
 
 def test_item_progress_bar_draw() -> None:
