@@ -20,6 +20,7 @@ from tests.support import (  # noqa: E402
     ServerProcess,
     build_tiny_dense,
     build_tiny_gptq,
+    built_once,
     save_tokenizer,
     taking_turns,
 )
@@ -63,22 +64,37 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("models")
+    """The session's models: under pytest-xdist one folder for all the run's workers, each
+    model built by the first worker that needs it (built_once)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return tmp_path_factory.mktemp("models")
+    folder = tmp_path_factory.getbasetemp().parent / "models"  # the run's, as in _turns
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(workdir: Path) -> Path:
-    return save_tokenizer(workdir / "tokenizer")
+    with built_once(workdir / "tokenizer") as build:
+        if build:
+            save_tokenizer(workdir / "tokenizer")
+    return workdir / "tokenizer"
 
 
 @pytest.fixture(scope="session")
 def tiny_dense_dir(workdir: Path, tokenizer_dir: Path) -> Path:
-    return build_tiny_dense(workdir / "tiny-dense", tokenizer_dir)
+    with built_once(workdir / "tiny-dense") as build:
+        if build:
+            build_tiny_dense(workdir / "tiny-dense", tokenizer_dir)
+    return workdir / "tiny-dense"
 
 
 @pytest.fixture(scope="session")
 def tiny_gptq_dir(workdir: Path, tiny_dense_dir: Path) -> Path:
-    return build_tiny_gptq(tiny_dense_dir, workdir / "tiny-gptq")
+    with built_once(workdir / "tiny-gptq") as build:
+        if build:
+            build_tiny_gptq(tiny_dense_dir, workdir / "tiny-gptq")
+    return workdir / "tiny-gptq"
 
 
 @pytest.fixture(scope="session")

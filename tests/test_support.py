@@ -14,7 +14,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import REPO, ForkedProcess, ForkServer, ServerProcess, fork_server, taking_turns
+from tests.support import (
+    EXPORTED_TOKENIZER,
+    REPO,
+    TOKENIZER_FILES,
+    ForkedProcess,
+    ForkServer,
+    ServerProcess,
+    built_once,
+    fork_server,
+    save_tokenizer,
+    taking_turns,
+)
 
 
 def _hold(folder: Path, alone: bool, seconds: float, log: list[tuple[str, float, float]]) -> None:
@@ -51,6 +62,46 @@ def forks() -> Iterator[ForkServer]:
     server = ForkServer()
     yield server
     server.close()
+
+
+def test_a_shared_model_is_built_by_one_worker_and_again_after_a_failure(tmp_path: Path) -> None:
+    out, builds = tmp_path / "model", []
+
+    def build(name: str) -> None:
+        with built_once(out) as needed:
+            if needed:
+                builds.append(name)
+                time.sleep(0.2)  # the other one waits meanwhile, then finds it built
+                out.mkdir()
+
+    with pytest.raises(RuntimeError), built_once(out) as needed:
+        assert needed
+        raise RuntimeError("the build failed")
+    workers = [threading.Thread(target=build, args=(f"w{i}",)) for i in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert len(builds) == 1 and out.is_dir()
+    with built_once(out) as needed:
+        assert not needed
+
+
+def test_the_tokenizer_is_copied_from_the_export_where_make_model_wrote_it(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    for name in TOKENIZER_FILES:
+        (exported / name).write_text(f"{name} as make model wrote it")
+    copied = save_tokenizer(tmp_path / "copied", exported=exported)
+    assert {p.name: p.read_text() for p in copied.iterdir()} == {
+        p.name: p.read_text() for p in exported.iterdir()
+    }
+    if all((EXPORTED_TOKENIZER / name).is_file() for name in TOKENIZER_FILES):
+        real = AutoTokenizer.from_pretrained(save_tokenizer(tmp_path / "real"))
+        assert "<|im_start|>" in real.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                                          tokenize=False)  # fmt: skip
 
 
 def test_a_forked_predictor_gets_its_arguments_environment_and_log(

@@ -19,6 +19,11 @@ that fails naming the item when a gptqmodel upgrade changes what we rely on.
    `self.process_batch(inp)`); a quantized weight is installed as `weight.data = wq`.
 4. PROGRESS_BAR_DRAW: `logbar.progress.ProgressBar.draw(self, force=False)` renders the bar
    and returns nothing; capture.py leaves it undrawn.
+5. GPTQ_FUSED_BLOCK: `gptqmodel.quantization.gptq.GPTQ.quantize` takes its fused 128-column
+   path when a condition holds that contains the line FUSED_CONDITION, and then calls
+   `gptq_cuda.block_update_available()` and `gptq_cuda.gptq_block_update(work, hinv, scale,
+   zero, column_group, quantized, errors, losses, maxq)` (imported from the module at each call);
+   block_update.py compiles the method's source with that line widened to the CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ ITEMS = (
     "SUBSET_CALLBACK",
     "HOOKED_LINEAR_STOP",
     "PROGRESS_BAR_DRAW",
+    "GPTQ_FUSED_BLOCK",
 )
+
+# GPTQ_FUSED_BLOCK: the line of GPTQ.quantize's fused-path condition, and what it becomes.
+FUSED_CONDITION = 'and W.device.type == "cuda"'
+FUSED_CONDITION_CPU = 'and W.device.type in ("cuda", "cpu")'
 
 
 def quantizer_class() -> Any:
@@ -67,3 +77,17 @@ def progress_bar_class() -> Any:
     from logbar.progress import ProgressBar
 
     return ProgressBar
+
+
+def gptq_class() -> Any:
+    """gptqmodel's GPTQ, whose `quantize` takes the fused block path (item 5)."""
+    from gptqmodel.quantization.gptq import GPTQ
+
+    return GPTQ
+
+
+def gptq_cuda_module() -> Any:
+    """gptqmodel's CUDA block update module, asked for the fused path's kernel (item 5)."""
+    from gptqmodel.quantization import gptq_cuda
+
+    return gptq_cuda

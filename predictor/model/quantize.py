@@ -118,6 +118,7 @@ def quantize_checkpoint(
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
 
+    from predictor.model.block_update import fused_block_update
     from predictor.model.capture import lean_capture
     from predictor.model.scale_search import vectorised_scale_search
 
@@ -129,7 +130,7 @@ def quantize_checkpoint(
     if progress is not None:
         progress.phase("layer", int(model.model.config.num_hidden_layers))
         internals.set_subset_callback(model, progress)  # its subset_event(stage=..., ...)
-    with vectorised_scale_search(), lean_capture():
+    with vectorised_scale_search(), lean_capture(), fused_block_update():
         model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))
     keep_unquantized_in(out)

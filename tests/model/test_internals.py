@@ -62,3 +62,22 @@ def test_item_progress_bar_draw() -> None:
     bar = internals.progress_bar_class()
     parameters = list(inspect.signature(bar.draw).parameters)
     assert parameters == ["self", "force"], "PROGRESS_BAR_DRAW: signature changed"
+
+
+def test_item_gptq_fused_block() -> None:
+    gptq, cuda = internals.gptq_class(), internals.gptq_cuda_module()
+    source = inspect.getsource(inspect.unwrap(gptq.quantize))
+    assert source.count(internals.FUSED_CONDITION) == 1, "GPTQ_FUSED_BLOCK: the condition moved"
+    for word in (
+        "from .gptq_cuda import block_update_available, gptq_block_update",
+        "if block_update_available():",
+        "fused_block_update = gptq_block_update",
+        "if fused_block_update is not None and count == 128:",
+        "Q1, Err1, Losses1, (1 << self.qcfg.bits) - 1,",
+    ):
+        assert word in source, f"GPTQ_FUSED_BLOCK: {word} is gone"
+    parameters = list(inspect.signature(cuda.gptq_block_update).parameters)
+    assert parameters == [
+        "work", "hinv", "scale", "zero", "column_group", "quantized", "errors", "losses", "maxq",
+    ], "GPTQ_FUSED_BLOCK: the block update's signature changed"  # fmt: skip
+    assert callable(cuda.block_update_available), "GPTQ_FUSED_BLOCK"
