@@ -80,6 +80,21 @@ def build(
         raise NativeUnavailable(f"{source.name} could not be built or loaded: {error}") from error
 
 
+def build_or_none(
+    source: Path,
+    flags: Sequence[str],
+    instead: str,
+    loader: Callable[[str], ctypes.CDLL] = ctypes.CDLL,
+) -> ctypes.CDLL | None:
+    """`build(source, flags, loader=loader)`, or None where it cannot be built here: logged at
+    INFO with `instead`, what runs then (the model builder's kernels, each with a torch twin)."""
+    try:
+        return build(source, flags, loader=loader)
+    except NativeUnavailable as error:
+        logger.info("%s: %s", instead, error)
+        return None
+
+
 def build_digest(
     cc: str, flags: Sequence[str], source: Path, variants: Sequence[Sequence[str]]
 ) -> str:

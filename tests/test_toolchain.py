@@ -61,6 +61,19 @@ def test_without_a_compiler_nothing_is_built(
         toolchain.build(_source(tmp_path), ["-O2"])
 
 
+def test_an_optional_build_that_cannot_be_made_is_none_and_says_what_runs_instead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level("INFO", logger="predictor.toolchain"):
+        assert toolchain.build_or_none(_source(tmp_path), ["-O2"], "torch runs it") is None
+    assert "torch runs it: no C compiler" in caplog.text
+    monkeypatch.delenv("CC")
+    if any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")):
+        library = toolchain.build_or_none(_source(tmp_path), ["-O2"], "torch runs it")
+        assert library is not None and _holds_gil(library) == 0  # a CDLL by default
+
+
 @needs_compiler
 def test_a_cached_build_is_loaded_without_compiling(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from predictor import toolchain
-from predictor.errors import NativeUnavailable
 from predictor.model import internals
 
 logger = logging.getLogger(__name__)
@@ -145,10 +144,8 @@ def run_block(
 @functools.cache
 def _kernel() -> Any | None:
     """block_update.c built for this CPU (once a process), or None where it cannot be built."""
-    try:
-        library = toolchain.build(SOURCE, FLAGS, loader=ctypes.CDLL)  # calls release the GIL
-    except NativeUnavailable as error:
-        logger.info("GPTQ's column loop runs in torch: %s", error)
+    library = toolchain.build_or_none(SOURCE, FLAGS, "GPTQ's column loop runs in torch")
+    if library is None:  # a CDLL: its calls release the GIL
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function = library.block_update

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from predictor import toolchain
-from predictor.errors import NativeUnavailable
 from predictor.model import internals
 
 logger = logging.getLogger(__name__)
@@ -181,10 +180,8 @@ class NativeSearch:
 def _native_search() -> NativeSearch | None:
     """scale_search.c built for this CPU (once a process), or None where it cannot be built or
     does not sum as torch does here."""
-    try:
-        library = toolchain.build(SOURCE, FLAGS, loader=ctypes.CDLL)  # calls release the GIL
-    except NativeUnavailable as error:
-        logger.info("the scale search runs in torch: %s", error)
+    library = toolchain.build_or_none(SOURCE, FLAGS, "the scale search runs in torch")
+    if library is None:  # a CDLL: its calls release the GIL
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     search, sums, widest = library.scale_search, library.row_sums, library.max_columns
