@@ -103,6 +103,7 @@ class _Weights:
     inference tensor."""
 
     storages: list[Any]
+    pointers: list[tuple[Any, ...]]  # where each tensor starts in its storage, shape, strides
     versions: list[int]
     views: list[torch.Tensor]
     samples: list[torch.Tensor]
@@ -114,6 +115,7 @@ class _Weights:
         views = [_sample(t) for t in tensors]
         return _Weights(
             storages=[t.untyped_storage() for t in tensors],
+            pointers=[(t.data_ptr(), t.shape, t.stride()) for t in tensors],
             versions=[_version(t) for t in tensors],
             views=views,
             samples=[view.clone() for view in views],
@@ -124,8 +126,12 @@ class _Weights:
         return (
             len(tensors) == len(self.storages)
             and all(
-                t.untyped_storage().data_ptr() == s.data_ptr() and _version(t) == v
-                for t, s, v in zip(tensors, self.storages, self.versions, strict=True)
+                t.untyped_storage().data_ptr() == s.data_ptr()
+                and (t.data_ptr(), t.shape, t.stride()) == pointer
+                and _version(t) == v
+                for t, s, pointer, v in zip(
+                    tensors, self.storages, self.pointers, self.versions, strict=True
+                )
             )
             and all(torch.equal(v, s) for v, s in zip(self.views, self.samples, strict=True))
         )

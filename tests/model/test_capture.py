@@ -126,7 +126,9 @@ def test_a_product_is_reused_for_the_same_weights_and_an_equal_input() -> None:
     assert products.get(_linear(), x) is None  # another module with equal weights
 
 
-@pytest.mark.parametrize("change", ["new data", "in place", "inference tensor in place"])
+@pytest.mark.parametrize(
+    "change", ["new data", "in place", "inference tensor in place", "same storage, reshaped"]
+)
 def test_a_weight_change_is_never_served_an_old_product(change: str) -> None:
     products, linear, x = capture._Products(1 << 20), _linear(), torch.randn(3, 16)
     if change == "inference tensor in place":
@@ -138,6 +140,8 @@ def test_a_weight_change_is_never_served_an_old_product(change: str) -> None:
             linear.weight.data = linear.weight.detach() * 0.5
         elif change == "in place":
             linear.weight.mul_(0.5)
+        elif change == "same storage, reshaped":  # [8, 16] read as the transpose of [16, 8]
+            linear.weight.data = linear.weight.detach().reshape(16, 8).t()
     if change == "inference tensor in place":
         with torch.inference_mode():  # no version counter: the sample sees it
             linear.weight.mul_(0.5)
