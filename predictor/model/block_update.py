@@ -72,16 +72,18 @@ def _widened(original: Callable[..., Any]) -> Callable[..., Any] | None:
     not the one this was written against."""
     function = inspect.unwrap(original)
     try:
-        source = textwrap.dedent(inspect.getsource(function))
+        lines, first = inspect.getsourcelines(function)
     except (OSError, TypeError):
         return None
+    source = textwrap.dedent("".join(lines))
     module = inspect.getmodule(function)
     if module is None or source.count(internals.FUSED_CONDITION) != 1:
         logger.info("GPTQ's column loop runs in torch: gptqmodel's fused path changed")
         return None
     source = source.replace(internals.FUSED_CONDITION, internals.FUSED_CONDITION_CPU)
     namespace: dict[str, Any] = {}
-    code = compile(source, inspect.getsourcefile(function) or "<gptq>", "exec")
+    # blank lines first: a traceback names gptq.py's own line numbers
+    code = compile("\n" * (first - 1) + source, inspect.getsourcefile(function) or "<gptq>", "exec")
     exec(code, vars(module), namespace)  # gptqmodel's own method, one condition widened
     widened: Callable[..., Any] = namespace[function.__name__]
     return widened

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,28 +78,51 @@ def test_shapes_other_than_gptqmodels_are_refused() -> None:
                                torch.zeros(128, dtype=torch.int32), work, work, work, 15)  # fmt: skip
 
 
-def _checkpoint(source: Path, out: Path, fused: bool) -> dict[str, torch.Tensor]:
+def _checkpoint(
+    source: Path, out: Path, fused: bool, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, torch.Tensor]:
+    """quantize_checkpoint's build, with the kernel (as `make model`) or without it."""
     from safetensors.torch import load_file
 
-    calls = []
+    blocks = []
+    run_block = block_update.run_block
+
+    def counted(*args: Any) -> None:
+        blocks.append(args[1].shape)
+        run_block(*args)
+
+    monkeypatch.setattr(block_update, "run_block", counted)
+    if not fused:
+        monkeypatch.setattr(block_update, "fused_block_update", nullcontext)
     update = internals.gptq_cuda_module().gptq_block_update
-    context = block_update.fused_block_update() if fused else nullcontext()
-    with context:
-        if fused:
-            assert internals.gptq_cuda_module().gptq_block_update is not update
-            inner = internals.gptq_cuda_module().gptq_block_update
-            internals.gptq_cuda_module().gptq_block_update = lambda *a: calls.append(1) or inner(*a)
-        quantize_checkpoint(source, out, calibration_texts()[:16], recipe=Recipe(group_size=32),
-                            dtype="float32")  # fmt: skip
-    assert internals.gptq_cuda_module().gptq_block_update is update
-    assert bool(calls) == fused  # the tiny model's 128- and 256-wide inputs: 128-column blocks
+    quantize_checkpoint(source, out, calibration_texts()[:16], recipe=Recipe(group_size=32),
+                        dtype="float32")  # fmt: skip
+    monkeypatch.undo()
+    assert internals.gptq_cuda_module().gptq_block_update is update  # put back
+    # the tiny model's 128- and 256-wide inputs: 128-column blocks, 2 layers x 7 modules
+    assert len(blocks) == (2 * (6 + 2) if fused else 0)
     return load_file(out / "model.safetensors")
 
 
 def test_a_checkpoint_with_the_kernel_is_gptqmodels_own(
-    tiny_dense_dir: Path, tmp_path: Path
+    tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    theirs = _checkpoint(tiny_dense_dir, tmp_path / "theirs", fused=False)
-    ours = _checkpoint(tiny_dense_dir, tmp_path / "ours", fused=True)
+    theirs = _checkpoint(tiny_dense_dir, tmp_path / "theirs", False, monkeypatch)
+    ours = _checkpoint(tiny_dense_dir, tmp_path / "ours", True, monkeypatch)
     assert ours.keys() == theirs.keys()
     assert [name for name in theirs if not torch.equal(ours[name], theirs[name])] == []
+
+
+def test_the_widened_method_keeps_gptqmodels_file_and_line_numbers() -> None:
+    import inspect
+
+    original = inspect.unwrap(internals.gptq_class().quantize)
+    widened = block_update._widened(internals.gptq_class().quantize)
+    assert widened is not None
+    code = inspect.unwrap(widened).__code__
+    assert (code.co_filename, code.co_firstlineno) == (
+        original.__code__.co_filename, original.__code__.co_firstlineno,
+    )  # fmt: skip
+    assert internals.FUSED_CONDITION_CPU in inspect.getsource(original).replace(
+        internals.FUSED_CONDITION, internals.FUSED_CONDITION_CPU
+    )
