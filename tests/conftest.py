@@ -75,26 +75,17 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(workdir: Path) -> Path:
-    with built_once(workdir / "tokenizer") as build:
-        if build:
-            save_tokenizer(workdir / "tokenizer")
-    return workdir / "tokenizer"
+    return built_once(workdir / "tokenizer", save_tokenizer)
 
 
 @pytest.fixture(scope="session")
 def tiny_dense_dir(workdir: Path, tokenizer_dir: Path) -> Path:
-    with built_once(workdir / "tiny-dense") as build:
-        if build:
-            build_tiny_dense(workdir / "tiny-dense", tokenizer_dir)
-    return workdir / "tiny-dense"
+    return built_once(workdir / "tiny-dense", lambda out: build_tiny_dense(out, tokenizer_dir))
 
 
 @pytest.fixture(scope="session")
 def tiny_gptq_dir(workdir: Path, tiny_dense_dir: Path) -> Path:
-    with built_once(workdir / "tiny-gptq") as build:
-        if build:
-            build_tiny_gptq(tiny_dense_dir, workdir / "tiny-gptq")
-    return workdir / "tiny-gptq"
+    return built_once(workdir / "tiny-gptq", lambda out: build_tiny_gptq(tiny_dense_dir, out))
 
 
 @pytest.fixture(scope="session")

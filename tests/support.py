@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,19 +57,21 @@ def taking_turns(folder: Path, alone: bool) -> Iterator[None]:
                 fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
-@contextmanager
-def built_once(out: Path) -> Iterator[bool]:
-    """Whether `out` is still to be built (True: build it in the block), for the pytest-xdist
-    workers sharing it: one builds while the others wait, then all use what it wrote."""
+def built_once(out: Path, build: Callable[[Path], object]) -> Path:
+    """`out`, made by `build(out)` unless it was made before, for the pytest-xdist workers
+    sharing it: one builds while the others wait, then all use what it wrote (a failed build is
+    tried again by the next)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     done = out.with_name(out.name + ".built")
     with open(out.with_name(out.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            yield not done.exists()
-            done.touch()
+            if not done.exists():
+                build(out)
+                done.touch()
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

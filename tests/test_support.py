@@ -67,24 +67,26 @@ def forks() -> Iterator[ForkServer]:
 def test_a_shared_model_is_built_by_one_worker_and_again_after_a_failure(tmp_path: Path) -> None:
     out, builds = tmp_path / "model", []
 
-    def build(name: str) -> None:
-        with built_once(out) as needed:
-            if needed:
-                builds.append(name)
-                time.sleep(0.2)  # the other one waits meanwhile, then finds it built
-                out.mkdir()
-
-    with pytest.raises(RuntimeError), built_once(out) as needed:
-        assert needed
+    def failing(folder: Path) -> None:
         raise RuntimeError("the build failed")
+
+    def build(name: str) -> None:
+        def make(folder: Path) -> None:
+            builds.append(name)
+            time.sleep(0.2)  # the other one waits meanwhile, then finds it built
+            folder.mkdir()
+
+        assert built_once(out, make) == out
+
+    with pytest.raises(RuntimeError):
+        built_once(out, failing)
     workers = [threading.Thread(target=build, args=(f"w{i}",)) for i in range(2)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join()
     assert len(builds) == 1 and out.is_dir()
-    with built_once(out) as needed:
-        assert not needed
+    built_once(out, failing)  # built: not called again
 
 
 def test_the_tokenizer_is_copied_from_the_export_where_make_model_wrote_it(tmp_path: Path) -> None:
