@@ -39,34 +39,34 @@ raise SystemExit(3)
 """
 
 
-def run(*flags: str) -> tuple[int, str, dict]:
-    """Exit code, stderr and what the probe saw; no loop of the run is left after it."""
+def run(*flags: str) -> tuple[int, str, dict, int]:
+    """Exit code, stderr, what the probe saw and the run's pid; no loop of it is left after."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "load.half_speed", *flags, "--", sys.executable, "-c", PROBE],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     out, err = proc.communicate(timeout=120)
     assert not loops_of(proc.pid)
-    return proc.returncode, err, json.loads(out.strip().splitlines()[-1])
+    return proc.returncode, err, json.loads(out.strip().splitlines()[-1]), proc.pid
 
 
 def test_the_command_runs_beside_one_loop_per_core_and_its_exit_code_is_returned() -> None:
-    code, err, seen = run("--no-cgroups")
+    code, err, seen, _ = run("--no-cgroups")
     assert code == 3, err
     assert sorted(seen["cores"]) == [[core] for core in half_speed.cores()]  # one each, pinned
-    assert "half_speed" not in seen["cgroup"]
+    assert seen["cgroup"] == Path("/proc/self/cgroup").read_text()  # this process's groups
     assert "exit 3 after" in err and "(no cgroup)" in err
 
 
 def test_where_cgroups_can_be_made_the_command_gets_its_own() -> None:
     writable = os.access(half_speed.CGROUP_CPU, os.W_OK)
-    code, err, seen = run()
+    code, err, seen, pid = run()
     assert code == 3, err
     assert sorted(seen["cores"]) == [[core] for core in half_speed.cores()]
-    assert ("half_speed" in seen["cgroup"]) == writable, seen["cgroup"]
+    # (a run of the suite under load.half_speed is in a group of its own run)
+    assert (f"half_speed-{pid}-command" in seen["cgroup"]) == writable, seen["cgroup"]
     assert ("cgroups of equal weight" in err) == writable
-    if writable:
-        assert not list(half_speed.CGROUP_CPU.glob("half_speed-*"))  # removed after
+    assert not list(half_speed.CGROUP_CPU.glob(f"half_speed-{pid}-*"))  # removed after
 
 
 def test_a_command_is_required() -> None:
