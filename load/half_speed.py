@@ -71,7 +71,8 @@ def busy_loops(group: Path | None) -> Iterator[list[subprocess.Popen[bytes]]]:
         return subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=pin)  # noqa: PLW1509
 
     try:
-        loops = [start(core) for core in cores()]
+        for core in cores():
+            loops.append(start(core))  # those started are ended, should a later one fail
         yield loops
     finally:
         for loop in loops:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from load import half_speed
 
@@ -39,7 +40,7 @@ raise SystemExit(3)
 """
 
 
-def run(*flags: str) -> tuple[int, str, dict, int]:
+def run(*flags: str) -> tuple[int, str, dict[str, Any], int]:
     """Exit code, stderr, what the probe saw and the run's pid; no loop of it is left after."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "load.half_speed", *flags, "--", sys.executable, "-c", PROBE],
