@@ -9,7 +9,7 @@ it runs; elsewhere the loops are plain processes and a command with several runn
 per core gets somewhat more than half.
 
 What it approximates, measured on a Zen 5 (2 cores, torch held to AVX2): a 2-thread fp32 matmul
-2.3x as long, a 1-thread one 1.6x (the command's lone thread also gets part of the other core's
+2.3x as long, a 1-thread one 1.45-1.6x (the command's lone thread also gets part of the other core's
 group share). It stands in for a slower machine that is not at hand: a figure measured under it
 is an estimate, named as one.
 """
