@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -91,7 +92,8 @@ def run(command: Sequence[str], use_cgroups: bool = True) -> int:
             print(f"[half_speed] {len(loops)} busy loops, one per core ({how}): "
                   f"{' '.join(command)}", file=sys.stderr, flush=True)  # fmt: skip
             started = time.monotonic()
-            code = subprocess.call(list(command), preexec_fn=lambda: _join(command_group))  # noqa: PLW1509
+            join = functools.partial(_join, command_group)
+            code = subprocess.call(list(command), preexec_fn=join)  # noqa: PLW1509
             seconds = time.monotonic() - started
     finally:
         if groups is not None:
