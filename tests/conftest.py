@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-# The test process is an edge too: pin what the libraries would otherwise pick for themselves.
-os.environ.setdefault("HF_HOME", str(Path(tempfile.gettempdir()) / "gptq-predictor-hf"))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from predictor.model.env import prepare_environment
+
+# The test process is an edge too: pin what the libraries would otherwise pick for themselves,
+# as the model tools do (the tiny models are quantized here), with a cache of the tests' own.
+prepare_environment(os.environ, Path(tempfile.gettempdir()) / "gptq-predictor-hf")
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
 
 from tests.support import (  # noqa: E402
     ServerProcess,

@@ -24,6 +24,11 @@ that fails naming the item when a gptqmodel upgrade changes what we rely on.
    `gptq_cuda.block_update_available()` and `gptq_cuda.gptq_block_update(work, hinv, scale,
    zero, column_group, quantized, errors, losses, maxq)` (imported from the module at each call);
    block_update.py compiles the method's source with that line widened to the CPU.
+6. PACK_EXTENSION_OFF: `PackableQuantLinear.pack_block` (each quantized module's qweight and
+   qzeros) JIT-compiles a C++ torch extension at its first call on a machine
+   (`pack_block_cpu`, into ~/.cache/gptqmodel: 35-40 s of one core on a 2-core Xeon) unless
+   the environment variable PACK_EXTENSION_OFF names is set to "1"; then it packs with torch
+   (about 0.6 s more for all of SmolLM2's modules, the same bits). env.py sets it.
 """
 
 from __future__ import annotations
@@ -36,11 +41,14 @@ ITEMS = (
     "HOOKED_LINEAR_STOP",
     "PROGRESS_BAR_DRAW",
     "GPTQ_FUSED_BLOCK",
+    "PACK_EXTENSION_OFF",
 )
 
 # GPTQ_FUSED_BLOCK: the line of GPTQ.quantize's fused-path condition, and what it becomes.
 FUSED_CONDITION = 'and W.device.type == "cuda"'
 FUSED_CONDITION_CPU = 'and W.device.type in ("cuda", "cpu")'
+# PACK_EXTENSION_OFF: the variable that keeps gptqmodel's packing in torch.
+PACK_EXTENSION_OFF = "GPTQMODEL_DISABLE_PACK_EXT"
 
 
 def quantizer_class() -> Any:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
+
+import pytest
 
 from predictor.model import internals
 
@@ -81,3 +84,30 @@ def test_item_gptq_fused_block() -> None:
         "work", "hinv", "scale", "zero", "column_group", "quantized", "errors", "losses", "maxq",
     ], "GPTQ_FUSED_BLOCK: the block update's signature changed"  # fmt: skip
     assert callable(cuda.block_update_available), "GPTQ_FUSED_BLOCK"
+
+
+def test_item_pack_extension_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from gptqmodel.nn_modules.qlinear import PackableQuantLinear
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+
+    source = inspect.getsource(PackableQuantLinear.pack_block)
+    assert f'env_flag("{internals.PACK_EXTENSION_OFF}")' in source, "PACK_EXTENSION_OFF: renamed"
+    # with the variable set, nothing is compiled and the module is packed all the same
+    monkeypatch.setenv(internals.PACK_EXTENSION_OFF, "1")
+    monkeypatch.setenv("GPTQMODEL_TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    rows, columns, group = 32, 64, 32  # out, in features
+    codes = torch.randint(0, 16, (rows, columns), generator=torch.Generator().manual_seed(0))
+    scales = torch.rand(rows, columns // group, generator=torch.Generator().manual_seed(1)) + 0.5
+    zeros = torch.randint(0, 16, (rows, columns // group)).float()
+    linear = torch.nn.Linear(columns, rows, bias=False)
+    wide = {"repeats": group, "dim": 1}
+    weight = (codes - zeros.repeat_interleave(**wide)) * scales.repeat_interleave(**wide)
+    linear.weight.data = weight  # rounds back to `codes` exactly
+    layer = TorchLinear(bits=4, group_size=group, sym=False, desc_act=False, in_features=columns,
+                        out_features=rows, bias=False, pack_dtype=torch.int32, backend=None)  # fmt: skip
+    layer.pack_block(linear, scales, zeros, torch.arange(columns, dtype=torch.int32) // group)
+    assert not (tmp_path / "extensions").exists(), "PACK_EXTENSION_OFF: an extension was built"
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)  # 8 codes a 32-bit word
+    unpacked = (layer.qweight.unsqueeze(1) >> shifts) & 15  # [in / 8, 8, out]
+    assert torch.equal(unpacked.reshape(columns, rows).T, codes.to(torch.int32))
