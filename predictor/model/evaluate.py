@@ -8,7 +8,9 @@ chosen on; the test text (test.txt) is never used to choose anything, so its fig
 reported and gated on. With a reference (the fp model a GPTQ checkpoint was made from) it also
 gives the ratio of the two perplexities on each text and the share of greedy next tokens that
 agree on the reference's own greedy answers to a fixed set of chat prompts. The reference's
-figures are cached in its folder (reference.json), so a second build does not compute them again.
+figures are cached in its folder (reference.json), so a second build does not compute them again,
+and the default model source's ship with the package (predictor.model.reference_cache), so a
+first build does not either.
 """
 
 from __future__ import annotations
@@ -138,8 +140,8 @@ def text_ids(tokenizer: Any, path: Path, max_tokens: int = MAX_TOKENS) -> list[i
 
 def perplexities(
     candidate: Candidate, max_tokens: int, window: int, progress: Progress
-) -> dict[str, float]:
-    """Perplexity on each evaluation text, by name."""
+) -> dict[str, list[tuple[float, int]]]:
+    """Each evaluation text's windows, by name: (summed next-token loss, tokens predicted)."""
     figures = {}
     for name, path in TEXTS.items():
 
@@ -147,16 +149,18 @@ def perplexities(
             progress(f"{name} text: {message}")
 
         ids = text_ids(candidate.tokenizer, path, max_tokens)
-        figures[name] = perplexity(candidate.model, ids, window, say)
+        figures[name] = window_losses(candidate.model, ids, window, say)
     return figures
 
 
-def perplexity(model: Any, ids: Sequence[int], window: int, progress: Progress) -> float:
-    """exp(mean next-token loss) over consecutive, non-overlapping windows of the ids."""
+def window_losses(
+    model: Any, ids: Sequence[int], window: int, progress: Progress
+) -> list[tuple[float, int]]:
+    """Summed next-token loss and tokens predicted in each consecutive, non-overlapping window."""
     import torch
 
     device = next(model.parameters()).device
-    total, count = 0.0, 0
+    losses = []
     starts = range(0, len(ids) - 1, window)
     for number, start in enumerate(starts, 1):
         chunk = torch.tensor([ids[start : start + window]], device=device)  # [1, S]
@@ -166,9 +170,13 @@ def perplexity(model: Any, ids: Sequence[int], window: int, progress: Progress) 
         with torch.inference_mode():
             logits = model(input_ids=chunk).logits[0, :-1].float()  # [S-1, V]
         loss = torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum")
-        total += float(loss)
-        count += chunk.shape[1] - 1
-    return math.exp(total / count)
+        losses.append((float(loss), chunk.shape[1] - 1))
+    return losses
+
+
+def perplexity(windows: Sequence[tuple[float, int]]) -> float:
+    """exp(mean next-token loss) over the windows."""
+    return math.exp(sum(loss for loss, _ in windows) / sum(count for _, count in windows))
 
 
 def evaluate(
@@ -194,15 +202,14 @@ def evaluate(
     reference_choices: list[list[int]] = []
     scored_reference = None
     if reference is not None:
-        settings = {"max_tokens": max_tokens, "window": window, "prompts": list(prompts),
-                    "new_tokens": new_tokens, "device": device}  # fmt: skip
+        settings = reference_settings(max_tokens, window, prompts, new_tokens, device)
         scored_reference, sequences, reference_choices = score_reference(
             reference, settings, threads, say, cache
         )
     say(f"loading checkpoint {checkpoint}")
     started = time.monotonic()
     loaded = load_candidate(checkpoint, device, threads, kernel)
-    ppl = perplexities(loaded, max_tokens, window, say)
+    ppl = {name: perplexity(w) for name, w in perplexities(loaded, max_tokens, window, say).items()}
     choices = next_token_choices(loaded.model, sequences, say) if sequences else []
     scored = Scored(str(checkpoint), loaded.kind, loaded.kernel, ppl["test"], ppl["validation"],
                     max_tokens, time.monotonic() - started)  # fmt: skip
@@ -226,6 +233,18 @@ def evaluate(
     )
 
 
+def reference_settings(
+    max_tokens: int = MAX_TOKENS,
+    window: int = WINDOW,
+    prompts: Sequence[str] = PROMPTS,
+    new_tokens: int = NEW_TOKENS,
+    device: str = "cpu",
+) -> dict[str, Any]:
+    """What the reference's figures depend on besides its files and the texts."""
+    return {"max_tokens": max_tokens, "window": window, "prompts": list(prompts),
+            "new_tokens": new_tokens, "device": device}  # fmt: skip
+
+
 def score_reference(
     reference: Path, settings: dict[str, Any], threads: int, say: Progress, cache: bool
 ) -> tuple[Scored, list[tuple[list[int], int]], list[list[int]]]:
@@ -233,21 +252,33 @@ def score_reference(
     key = reference_cache.cache_key(reference, TEXTS, settings)
     stored = reference_cache.load(reference, key) if cache else None
     if stored is not None:
-        say(f"reference {reference}: cached figures ({reference_cache.CACHE_FILE})")
-        scored = Scored(**{**stored["scored"], "path": str(reference)})
-        return scored, reference_cache.as_sequences(stored["sequences"]), stored["choices"]
+        figures = stored.figures
+        origin = "shipped" if stored.file == reference_cache.SHIPPED else "cached"
+        say(f"reference {reference}: {origin} figures ({stored.file.name}, the same key)")
+        scored = Scored(**{**figures["scored"], "path": str(reference)})
+        return scored, reference_cache.as_sequences(figures["sequences"]), figures["choices"]
+    figures = compute_reference(reference, settings, threads, say)
+    if cache:
+        reference_cache.store(reference, key, figures)
+    scored = Scored(**figures["scored"])
+    return scored, figures["sequences"], figures["choices"]
+
+
+def compute_reference(
+    reference: Path, settings: dict[str, Any], threads: int, say: Progress
+) -> dict[str, Any]:
+    """Score the reference: its figures, each text's windows, greedy answers and choices."""
     say(f"loading reference {reference}")
     started = time.monotonic()
     loaded = load_candidate(reference, settings["device"], threads)
-    ppl = perplexities(loaded, settings["max_tokens"], settings["window"], say)
+    windows = perplexities(loaded, settings["max_tokens"], settings["window"], say)
     sequences = greedy_sequences(loaded, settings["prompts"], settings["new_tokens"], say)
     choices = next_token_choices(loaded.model, sequences, say)
-    scored = Scored(str(reference), loaded.kind, loaded.kernel, ppl["test"], ppl["validation"],
-                    settings["max_tokens"], time.monotonic() - started)  # fmt: skip
-    if cache:
-        figures = {"scored": asdict(scored), "sequences": sequences, "choices": choices}
-        reference_cache.store(reference, key, figures)
-    return scored, sequences, choices
+    scored = Scored(str(reference), loaded.kind, loaded.kernel, perplexity(windows["test"]),
+                    perplexity(windows["validation"]), settings["max_tokens"],
+                    time.monotonic() - started)  # fmt: skip
+    return {"scored": asdict(scored), "windows": windows, "sequences": sequences,
+            "choices": choices}  # fmt: skip
 
 
 def format_report(report: QualityReport) -> str:
@@ -282,6 +313,21 @@ def print_progress(message: str) -> None:
     print(f"[evaluate] {message}", file=sys.stderr, flush=True)
 
 
+def ship_reference(reference: Path, max_tokens: int, window: int, device: str, threads: int) -> int:
+    """Score the fp source afresh and store its figures in the package."""
+    import torch
+
+    from predictor import toolchain
+
+    settings = reference_settings(max_tokens, window, device=device)
+    figures = compute_reference(reference, settings, threads, print_progress)
+    key = reference_cache.cache_key(reference, TEXTS, settings)
+    capability = torch.backends.cpu.get_cpu_capability()
+    measured_on = f"{toolchain.cpu_model()}, torch {capability}, {threads} threads"
+    print(f"wrote {reference_cache.ship(key, figures, measured_on)} ({measured_on})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m predictor.model.evaluate", description=__doc__.split("\n\n")[0]
@@ -304,8 +350,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--no-cache", action="store_true", help="score the reference again, ignoring its cache"
     )
+    parser.add_argument(
+        "--ship-reference",
+        action="store_true",
+        help="score CHECKPOINT (the default model's fp32 source) as a reference and store its"
+        f" figures in the package ({reference_cache.SHIPPED.name}), for every first build",
+    )
     args = parser.parse_args(argv)
     prepare_environment(os.environ, Path.home() / ".cache" / "huggingface")
+    if args.ship_reference:
+        return ship_reference(args.checkpoint, args.tokens, args.window, args.device, args.threads)
     report = evaluate(
         args.checkpoint,
         args.reference,

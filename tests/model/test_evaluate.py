@@ -228,30 +228,6 @@ def test_the_reference_is_scored_once_then_read_from_its_cache(
     assert any(m.startswith("loading reference") for m in messages)
 
 
-def test_a_changed_reference_or_text_is_another_cache_key(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text("{}")
-    text = tmp_path / "text.txt"
-    text.write_text("one")
-    key = reference_cache.cache_key(tmp_path, {"test": text}, {"window": 512})
-    assert reference_cache.store(tmp_path, key, {"x": 1})
-    assert reference_cache.load(tmp_path, key) == {"x": 1}
-    text.write_text("two")
-    assert (
-        reference_cache.load(
-            tmp_path, reference_cache.cache_key(tmp_path, {"test": text}, {"window": 512})
-        )
-        is None
-    )
-    (tmp_path / "config.json").write_text('{"changed": true}')
-    assert (
-        reference_cache.load(
-            tmp_path, reference_cache.cache_key(tmp_path, {"test": text}, {"window": 512})
-        )
-        is None
-    )
-    assert not reference_cache.store(tmp_path / "missing", key, {"x": 1})  # unwritable: no cache
-
-
 def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no config.json"):
         checkpoint_kind(tmp_path)
