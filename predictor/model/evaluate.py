@@ -67,6 +67,8 @@ class QualityReport:
     compared: int
     prompts: int
     window: int
+    # where the reference's figures came from: "computed", or the cache file that held them
+    reference_figures: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         texts = {name: {"file": path.name} for name, path in TEXTS.items()}
@@ -200,10 +202,10 @@ def evaluate(
     say = progress or (lambda _message: None)
     sequences: list[tuple[list[int], int]] = []
     reference_choices: list[list[int]] = []
-    scored_reference = None
+    scored_reference, origin = None, None
     if reference is not None:
         settings = reference_settings(max_tokens, window, prompts, new_tokens, device)
-        scored_reference, sequences, reference_choices = score_reference(
+        scored_reference, sequences, reference_choices, origin = score_reference(
             reference, settings, threads, say, cache
         )
     say(f"loading checkpoint {checkpoint}")
@@ -230,6 +232,7 @@ def evaluate(
         compared=len(pairs),
         prompts=len(prompts) if reference is not None else 0,
         window=window,
+        reference_figures=origin,
     )
 
 
@@ -247,21 +250,24 @@ def reference_settings(
 
 def score_reference(
     reference: Path, settings: dict[str, Any], threads: int, say: Progress, cache: bool
-) -> tuple[Scored, list[tuple[list[int], int]], list[list[int]]]:
-    """The reference's figures, greedy answers and next-token choices: cached or computed."""
+) -> tuple[Scored, list[tuple[list[int], int]], list[list[int]], str]:
+    """The reference's figures, greedy answers and next-token choices, cached or computed, and
+    where they came from."""
     key = reference_cache.cache_key(reference, TEXTS, settings)
     stored = reference_cache.load(reference, key) if cache else None
     if stored is not None:
         figures = stored.figures
-        origin = "shipped" if stored.file == reference_cache.SHIPPED else "cached"
-        say(f"reference {reference}: {origin} figures ({stored.file.name}, the same key)")
+        shipped = stored.file == reference_cache.SHIPPED
+        origin = f"{'shipped' if shipped else 'cached'}: {stored.file.name}"
+        say(f"reference {reference}: {origin.replace(':', ' figures,')}, the same key")
         scored = Scored(**{**figures["scored"], "path": str(reference)})
-        return scored, reference_cache.as_sequences(figures["sequences"]), figures["choices"]
+        sequences = reference_cache.as_sequences(figures["sequences"])
+        return scored, sequences, figures["choices"], origin
     figures = compute_reference(reference, settings, threads, say)
     if cache:
         reference_cache.store(reference, key, figures)
     scored = Scored(**figures["scored"])
-    return scored, figures["sequences"], figures["choices"]
+    return scored, figures["sequences"], figures["choices"], "computed"
 
 
 def compute_reference(

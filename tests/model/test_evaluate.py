@@ -196,8 +196,8 @@ def test_the_fp32_kernel_scores_the_same_weights_in_fp32(
     assert report.checkpoint.perplexity != served_kernel.checkpoint.perplexity
 
 
-def test_the_reference_is_scored_once_then_read_from_its_cache(
-    tiny_gptq_dir: Path, tiny_dense_dir: Path, tmp_path: Path
+def test_the_reference_is_scored_once_then_read_from_its_cache_or_the_package(
+    tiny_gptq_dir: Path, tiny_dense_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reference = tmp_path / "fp"
     shutil.copytree(tiny_dense_dir, reference)
@@ -220,6 +220,21 @@ def test_the_reference_is_scored_once_then_read_from_its_cache(
     assert second.reference is not None and first.reference is not None
     assert second.reference.perplexity == first.reference.perplexity
     assert (second.ratio, second.agreement) == (first.ratio, first.agreement)
+    assert (first.reference_figures, second.reference_figures) == (
+        "computed",
+        "cached: reference.json",
+    )
+    # the same figures shipped with the package serve a folder without its own cache
+    stored = json.loads((reference / reference_cache.CACHE_FILE).read_text())
+    monkeypatch.setattr(reference_cache, "SHIPPED", tmp_path / "shipped.json")
+    reference_cache.ship(stored["key"], stored["figures"], "here")
+    (reference / reference_cache.CACHE_FILE).unlink()
+    messages.clear()
+    third = evaluate(tiny_gptq_dir, reference, threads=1, progress=messages.append, **small)
+    assert third.reference_figures == "shipped: shipped.json"
+    assert not any(m.startswith("loading reference") for m in messages)
+    assert (third.ratio, third.agreement) == (first.ratio, first.agreement)
+    assert third.to_json()["reference_figures"] == "shipped: shipped.json"  # in quality.json
     # other settings are another key: scored again
     messages.clear()
     evaluate(
