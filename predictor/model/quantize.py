@@ -43,10 +43,10 @@ QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ c
 MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
 # What the GPTQ phase takes, measured (load/RESULTS.md, "make model profile").
 TYPICAL_MINUTES = (
-    "measured in fresh clones on 2 cores of an AMD EPYC Zen 5: 1 min 45 s to 2 min 8 s with"
+    "measured in fresh clones on 2 cores: an AMD EPYC Zen 5, 1 min 45 s to 2 min 8 s with"
     " AVX-512 (bf16 forwards), 1 min 43 s to 2 min 27 s with torch held to AVX2 (fp32 forwards);"
-    " an AVX2-only Zen 1 is slower: about 3.5-4.5 min, estimated (3 min 13 s to 4 min 37 s on"
-    " half of each core)"
+    " an Intel Xeon held to AVX2, 2 min 36 s to 2 min 50 s; an AVX2-only Zen 1 is slower: about"
+    " 3.5-4.5 min, estimated"
 )
 
 

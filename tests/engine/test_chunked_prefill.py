@@ -78,16 +78,23 @@ def run_with_long_prompt(tiny: Tiny, max_step_tokens: int) -> tuple[float, float
     return max(during), statistics.median(gaps)
 
 
+# The largest gap against the median, below it with chunks and above it without. On a Zen 5 a
+# 4-row decode step of the tiny fp32 model takes ~3 ms and a step with 60 prompt tokens 2-2.5x
+# that (so chunks of 64 missed a 2x bar in half the runs). On a 2-core Xeon (2026-12-02) the
+# 32-token steps late in the prompt, whose rows read up to 1,500 cached tokens, left the largest
+# gap at 1.7-1.95x the median in most tries (2.0-6x in a few), and all three tries of a fresh
+# clone's suite at 2.2-2.3x; one step of all 1,500 tokens made it 14-16x.
+BAR = 2.5
+
+
 def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(tiny_dense: Tiny) -> None:
     # a shared machine can pause any thread for a while: three tries, one must hold the bar.
-    # Chunks of 32 tokens (4 decode rows + 28 prompt tokens a step): on a Zen 5 a 4-row decode
-    # step of the tiny fp32 model takes ~3 ms and a step with 60 prompt tokens 2-2.5x that, so
-    # chunks of 64 missed the 2x bar in half the runs, on the base commit as well
+    # Chunks of 32 tokens (4 decode rows + 28 prompt tokens a step)
     seen = []
     for _ in range(3):
         largest, median = run_with_long_prompt(tiny_dense, max_step_tokens=32)
         seen.append(f"largest gap {largest * 1000:.1f} ms, median {median * 1000:.1f} ms")
-        if largest < 2 * median:
+        if largest < BAR * median:
             return
     raise AssertionError("; ".join(seen))
 
@@ -95,4 +102,4 @@ def test_running_streams_keep_flowing_while_a_long_prompt_is_prefilled(tiny_dens
 def test_without_chunks_the_long_prompt_stalls_the_streams(tiny_dense: Tiny) -> None:
     """The gap test above can fail: one step that prefills all 1,500 tokens stalls the streams."""
     largest, median = run_with_long_prompt(tiny_dense, max_step_tokens=4096)
-    assert largest > 2 * median
+    assert largest > BAR * median
