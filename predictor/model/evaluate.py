@@ -257,9 +257,9 @@ def score_reference(
     stored = reference_cache.load(reference, key) if cache else None
     if stored is not None:
         figures = stored.figures
-        shipped = stored.file == reference_cache.SHIPPED
-        origin = f"{'shipped' if shipped else 'cached'}: {stored.file.name}"
-        say(f"reference {reference}: {origin.replace(':', ' figures,')}, the same key")
+        how = "shipped" if stored.file == reference_cache.SHIPPED else "cached"
+        origin = f"{how}: {stored.file.name}"
+        say(f"reference {reference}: {how} figures ({stored.file.name}, the same key)")
         scored = Scored(**{**figures["scored"], "path": str(reference)})
         sequences = reference_cache.as_sequences(figures["sequences"])
         return scored, sequences, figures["choices"], origin
