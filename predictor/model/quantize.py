@@ -43,10 +43,9 @@ QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ c
 MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
 # What the GPTQ phase takes, measured (load/RESULTS.md, "make model profile").
 TYPICAL_MINUTES = (
-    "measured in fresh clones on 2 cores: an AMD EPYC Zen 5, 1 min 45 s to 2 min 8 s with"
-    " AVX-512 (bf16 forwards), 1 min 43 s to 2 min 27 s with torch held to AVX2 (fp32 forwards);"
-    " an Intel Xeon held to AVX2, 2 min 36 s to 2 min 50 s; an AVX2-only Zen 1 is slower: about"
-    " 3.5-4.5 min, estimated"
+    "measured in fresh clones on 2 cores: an AMD EPYC Zen 5 held to AVX2, about 1 min (fp32"
+    " forwards); an AVX2-only Zen 1 is slower: about 3-3.5 min, estimated from the old build's"
+    " time on both"
 )
 
 
@@ -70,12 +69,22 @@ class Recipe:
     # by length and leaves padding out of the Hessian; 32 measured no better than 8 (validation
     # ratio 1.059 against 1.046-1.055 for 8, whose runs differ by that much: load/RESULTS.md).
     batch_size: int = 8
+    # How many of calibration.txt's texts a build of the default model uses, evenly spaced over
+    # the file (0: all). Half of the 300 scored as well as all of them on both texts, in 0.6x the
+    # GPTQ phase's time (load/RESULTS.md, "Ninth session"). Not a QuantizeConfig field either;
+    # quantize_checkpoint uses the texts it is given.
+    texts: int = 150
 
     def quantize_config(self) -> dict[str, Any]:
         """The gptqmodel QuantizeConfig fields."""
         fields = asdict(self)
-        del fields["batch_size"]
+        del fields["batch_size"], fields["texts"]
         return fields
+
+    def pick(self, texts: Sequence[str]) -> list[str]:
+        """The texts of `texts` this recipe calibrates on: `self.texts` of them, evenly spaced."""
+        count = min(self.texts or len(texts), len(texts))
+        return [texts[i * len(texts) // count] for i in range(count)]
 
     def describe(self) -> str:
         kind = "symmetric" if self.sym else "asymmetric"
@@ -88,6 +97,7 @@ class Recipe:
 # Chosen by measurement on the validation text: load/RESULTS.md, "Quantization recipe".
 RECIPES = {
     "default": Recipe(),
+    "all-texts": Recipe(texts=0),  # the default until the ninth session: 2x the forwards
     "one-pass": Recipe(true_sequential=False),
 }
 DEFAULT_RECIPE = RECIPES["default"]
@@ -227,11 +237,12 @@ def build_default_model(
             with timed_phase(phases, "export", progress, Path(tmp) / "export.log"):
                 export_gguf_to_fp32(folder, gguf_file, Path(tmp) / "fp32")
             _install(Path(tmp) / "fp32", fp_out)
-        texts = calibration_texts()
+        every_text = calibration_texts()
+        texts = recipe.pick(every_text)
         dtype, why = calibration_dtype(fp_out, dtype)
         progress.say(
-            f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} calibration texts, "
-            f"{dtype} forwards ({why}), {threads} threads ({TYPICAL_MINUTES})"
+            f"[model] 2/4 GPTQ 4-bit, {recipe.describe()}, {len(texts)} of the {len(every_text)} "
+            f"calibration texts, {dtype} forwards ({why}), {threads} threads ({TYPICAL_MINUTES})"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
             quantize_checkpoint(

@@ -12,7 +12,13 @@ import predictor.model
 from predictor.model import quantize
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, Scored
-from predictor.model.quantize import DEFAULT_RECIPE, RECIPES, check_quality
+from predictor.model.quantize import (
+    DEFAULT_RECIPE,
+    RECIPES,
+    Recipe,
+    calibration_texts,
+    check_quality,
+)
 
 
 def _report(test_ratio: float, validation_ratio: float) -> QualityReport:
@@ -36,9 +42,19 @@ def test_every_recipe_is_a_gptqmodel_config() -> None:
     for recipe in RECIPES.values():
         fields = recipe.quantize_config()
         assert "batch_size" not in fields  # a quantize() argument, not a config field
+        assert "texts" not in fields  # which texts build_default_model passes
         config = QuantizeConfig(bits=4, **fields)
         assert config.group_size == recipe.group_size and config.mse == recipe.mse
         assert f"batches of {recipe.batch_size}" in recipe.describe()
+
+
+def test_a_recipe_picks_its_calibration_texts_evenly_spaced() -> None:
+    every = calibration_texts()
+    assert len(every) == 300
+    assert DEFAULT_RECIPE.pick(every) == every[::2]  # the half chosen on the validation text
+    assert RECIPES["all-texts"].pick(every) == every
+    assert Recipe(texts=100).pick(every) == every[::3]
+    assert Recipe(texts=7).pick(list("abc")) == list("abc")  # never more than there are
 
 
 def test_recipe_is_chosen_on_the_command_line(
