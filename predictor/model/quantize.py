@@ -44,7 +44,7 @@ MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `mak
 # What the GPTQ phase takes, measured (load/RESULTS.md, "make model profile").
 TYPICAL_MINUTES = (
     "measured in fresh clones on 2 cores: an AMD EPYC Zen 5 held to AVX2, about 1 min (fp32"
-    " forwards); an AVX2-only Zen 1 is slower: about 3-3.5 min, estimated from the old build's"
+    " forwards); an AVX2-only Zen 1 is slower: about 3-4 min, estimated from the old build's"
     " time on both"
 )
 
