@@ -70,9 +70,9 @@ class Recipe:
     # ratio 1.059 against 1.046-1.055 for 8, whose runs differ by that much: load/RESULTS.md).
     batch_size: int = 8
     # How many of calibration.txt's texts a build of the default model uses, evenly spaced over
-    # the file (0: all). Half of the 300 scored as well as all of them on both texts, in 0.6x the
-    # GPTQ phase's time (load/RESULTS.md, "Ninth session"). Not a QuantizeConfig field either;
-    # quantize_checkpoint uses the texts it is given.
+    # the file (0: all). Half of the 300 scored as well as all of them on both texts, in
+    # 0.6-0.7x the GPTQ phase's time (load/RESULTS.md, "Ninth session"). Not a QuantizeConfig
+    # field either; quantize_checkpoint uses the texts it is given.
     texts: int = 150
 
     def quantize_config(self) -> dict[str, Any]:
