@@ -22,6 +22,7 @@ import runpy
 import select
 import signal
 import sys
+import threading
 import traceback
 from typing import Any, BinaryIO
 
@@ -32,6 +33,12 @@ PRELOAD = (
     "predictor.__main__",
     "predictor.model.loader",
     "predictor.serving.app",
+    # What a start imports lazily: transformers' modules for a Llama, and what optimum.gptq
+    # imports besides gptqmodel (3.6 -> 2.3 s a start of the tiny model's server, Zen 5). Not
+    # gptqmodel itself (nor optimum.gptq, which imports it): its import starts threads.
+    "transformers.modeling_utils",
+    "transformers.models.llama.modeling_llama",
+    "datasets",
 )
 
 
@@ -44,6 +51,10 @@ def main() -> int:
     import transformers
 
     transformers.AutoModelForCausalLM, transformers.AutoTokenizer  # noqa: B018 (lazy imports)
+    if threading.active_count() > 1:  # a child would lack them (and any lock they held)
+        names = [thread.name for thread in threading.enumerate()]
+        print(f"tests.zygote: the preloads started threads {names}; not forking", file=sys.stderr)
+        return 1
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
