@@ -34,7 +34,7 @@ PRELOAD = (
     "predictor.model.loader",
     "predictor.serving.app",
     # What a start imports lazily: transformers' modules for a Llama, and what optimum.gptq
-    # imports besides gptqmodel (3.6 -> 2.3 s a start of the tiny model's server, Zen 5). Not
+    # imports besides gptqmodel (3.6 -> 1.8 s a start of the tiny model's server, Zen 5). Not
     # gptqmodel itself (nor optimum.gptq, which imports it): its import starts threads.
     "transformers.modeling_utils",
     "transformers.models.llama.modeling_llama",
