@@ -94,6 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ["HF_HOME"] = str(settings.hf_home)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # What the imports made lives as long as the process: out of the collector's sight now, so
+    # that the full collection gptqmodel runs after loading the checkpoint, and ours before
+    # serving, walk only what the load made (0.33 + 0.36 s -> 0.17 s of a start, Zen 5).
+    gc.freeze()
     try:
         # KServe's storage initializer may leave the checkpoint one folder down
         model_dir = resolve_checkpoint_dir(settings.model_dir)

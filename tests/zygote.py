@@ -16,6 +16,7 @@ core threads (both would not survive a fork), and this process runs no threads o
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import runpy
@@ -55,6 +56,9 @@ def main() -> int:
         names = [thread.name for thread in threading.enumerate()]
         print(f"tests.zygote: the preloads started threads {names}; not forking", file=sys.stderr)
         return 1
+    # the preloads live as long as every child: no child's collections walk them (nor write
+    # to their pages, which the child then shares with this process), as Python's gc docs advise
+    gc.freeze()
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
     signal.set_wakeup_fd(wake_write)
