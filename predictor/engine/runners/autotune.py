@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -37,6 +38,10 @@ VERSION = 3  # of the cache file's contents and the choosing rule
 ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
+# A candidate stops being timed after a pass that leaves its fastest this many times slower
+# than the fastest finished one at that row count: its remaining passes could not make it win
+# (nor come within COPY_MARGIN of the winner). Candidates run fastest first, by the last bucket.
+CUT = 2.0
 # Kernels that hold a copy of the weights besides the 4-bit ones (a bf16 expansion: 4x the
 # int4 bytes; lm_head's fp32, prepacked or int8 copy) win a bucket only this much faster than
 # the best kernel without one (or with one a smaller bucket already holds): a policy on memory,
@@ -191,9 +196,13 @@ def _buckets(
     figures: dict[str, dict[str, float]] = {}
     if len(kernels) == 1:  # nothing to choose
         return [(1, next(iter(kernels)))], figures
+    order = list(kernels)
     for rows in BUCKETS:
         x = (torch.randn((rows, k), generator=generator) * 0.5).to(torch.bfloat16)
-        timed = {name: _time(layers, x) for name, layers in kernels.items()}
+        timed: dict[str, float] = {}
+        for name in order:
+            timed[name] = _time(kernels[name], x, CUT * min(timed.values(), default=math.inf))
+        order.sort(key=lambda name: timed[name])
         figures[str(rows)] = {name: round(seconds * 1e3, 4) for name, seconds in timed.items()}
         best = min(timed, key=lambda name: timed[name])
         # a copy already held for a smaller bucket costs nothing more
@@ -209,18 +218,22 @@ def _buckets(
 
 
 @torch.inference_mode()
-def _time(layers: list[Kernel], x: torch.Tensor) -> float:
-    """Seconds one pass over the layers takes, fastest of REPEATS (after one warm pass)."""
+def _time(layers: list[Kernel], x: torch.Tensor, cut: float = math.inf) -> float:
+    """Seconds one pass over the layers takes, fastest of REPEATS (after one warm pass), or of
+    fewer once the fastest is past `cut` (seconds a pass over all the layers)."""
     use = layers if x.shape[0] <= ALL_LAYERS_UP_TO else layers[:FEW_LAYERS]
+    scale = len(layers) / len(use)
     for layer in use:
         layer(x)
-    best = float("inf")
+    best = math.inf
     for _ in range(REPEATS):
         start = time.perf_counter()
         for layer in use:
             layer(x)
         best = min(best, time.perf_counter() - start)
-    return best * len(layers) / len(use)
+        if best * scale > cut:
+            break
+    return best * scale
 
 
 def _copy(name: str) -> bool:

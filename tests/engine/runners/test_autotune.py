@@ -3,9 +3,12 @@ torch and shapes, invalidated when any of them (or the file) is off, forced kern
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -52,6 +55,33 @@ def test_plans_cover_every_bucket_and_are_cached(tiny_gptq: Any, tmp_path: Path)
     assert len(files) == 1
     again = tune(tiny_gptq, tmp_path)  # read back, not measured
     assert again.source.startswith("cache ") and again.plans == choices.plans
+
+
+def test_a_candidate_far_behind_stops_being_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clock that each kernel call moves on by the kernel's cost: a candidate more than CUT
+    times the fastest finished one is timed once after its warm pass; the others REPEATS times;
+    after the first row count the fastest runs first."""
+    now = [0.0]
+    calls: collections.Counter[str] = collections.Counter()
+
+    def kernel(name: str, cost: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(x: torch.Tensor) -> torch.Tensor:
+            calls[name] += 1
+            now[0] += cost
+            return x
+
+        return run
+
+    monkeypatch.setattr(autotune, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    costs = {"slow": 5.0, "near": 1.5, "fast": 1.0}  # in this order at the first row count
+    kernels = {name: [kernel(name, cost)] for name, cost in costs.items()}
+    plan, figures = autotune._buckets(kernels, 32, torch.Generator().manual_seed(0))
+    assert plan == [(1, "fast")]
+    buckets, full = len(autotune.BUCKETS), 1 + autotune.REPEATS
+    assert calls["fast"] == calls["near"] == full * buckets
+    assert calls["slow"] == full + 2 * (buckets - 1)  # timed in full only while nothing had run
+    for timed in figures.values():  # ms a pass: a cut candidate's figure is still its own
+        assert timed == {name: cost * 1e3 for name, cost in costs.items()}
 
 
 def test_the_cache_is_keyed_by_cpu_torch_and_shapes(

@@ -146,7 +146,7 @@ def test_a_copy_wins_only_by_the_margin_unless_a_smaller_bucket_holds_it(
     kernels = {name: [lambda x: x] for name in figures}
     lookup = {id(layers): name for name, layers in kernels.items()}
     monkeypatch.setattr(
-        autotune, "_time", lambda layers, x: figures[lookup[id(layers)]][x.shape[0]] / 1e3
+        autotune, "_time", lambda layers, x, _cut: figures[lookup[id(layers)]][x.shape[0]] / 1e3
     )
     plan, _ = autotune._buckets(kernels, 8, torch.Generator())
     assert plan == [(1, "int8_i8_x"), (64, "prepacked_bf16")]
