@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from collections.abc import Iterator
@@ -36,6 +37,13 @@ def _turns(item: pytest.Item) -> Path | None:
         return None
     factory: pytest.TempPathFactory = item.config._tmp_path_factory  # what tmp_path_factory is
     return factory.getbasetemp().parent
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """What collection imported lives as long as the test process: out of the collector's sight,
+    as in the servers (predictor/__main__.py) and the fork server, so that the full collection
+    gptqmodel runs at each checkpoint load walks only what the tests made."""
+    gc.freeze()
 
 
 @pytest.hookimpl(hookwrapper=True)
