@@ -254,6 +254,21 @@ def fork_server() -> ForkServer | None:
     return server
 
 
+def run_predictor(args: Sequence[str], timeout: float = 120.0) -> tuple[int, str]:
+    """`python -m predictor <args>` to its end (a start it refuses), through the fork server
+    where there is one: its exit code and its output, stdout and stderr together."""
+    log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
+    forks = fork_server()
+    launch = forks.launch if forks is not None else popen
+    process = launch(["-m", "predictor", *args], REPO, log_path)
+    try:
+        code = process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return code, log_path.read_text(errors="replace")
+
+
 @dataclass
 class ServerProcess:
     process: Process

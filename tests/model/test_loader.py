@@ -1,8 +1,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ from predictor.engine.runners.model import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
-from tests.support import REPO, ServerProcess
+from tests.support import ServerProcess, run_predictor
 
 
 def test_dense_checkpoint_is_not_gptq(tiny_dense_dir: Path) -> None:
@@ -37,14 +35,11 @@ def test_server_refuses_a_folder_that_is_not_gptq(
     kind: str, tmp_path: Path, tiny_dense_dir: Path
 ) -> None:
     folder = {"missing": tmp_path / "nothing", "empty": tmp_path, "dense": tiny_dense_dir}[kind]
-    done = subprocess.run(
-        [sys.executable, "-m", "predictor", "--model-dir", str(folder), "--http-port", "0"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2
-    lines = [line for line in done.stderr.splitlines() if line.startswith("predictor:")]
+    code, output = run_predictor(["--model-dir", str(folder), "--http-port", "0"])
+    assert code == 2
+    lines = [line for line in output.splitlines() if line.startswith("predictor:")]
     assert len(lines) == 1 and str(folder) in lines[0]
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in output
 
 
 def test_broken_config_is_one_clear_error(tmp_path: Path) -> None:
@@ -104,13 +99,10 @@ def test_default_kernel_is_a_known_kernel_and_a_bad_one_is_refused(tiny_gptq_dir
 
 
 def test_server_names_a_bad_kernel_and_exits(tiny_gptq_dir: Path) -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "predictor", "--model-dir", str(tiny_gptq_dir), "--kernel", "fast"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2
+    code, output = run_predictor(["--model-dir", str(tiny_gptq_dir), "--kernel", "fast"])
+    assert code == 2
     assert "argument --kernel: invalid choice: 'fast' (choose from 'auto', 'gptq_torch_aten'" in (
-        done.stderr
+        output
     )
 
 
