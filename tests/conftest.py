@@ -22,6 +22,7 @@ from tests.support import (  # noqa: E402
     build_tiny_dense,
     build_tiny_gptq,
     built_once,
+    fork_server,
     save_tokenizer,
     taking_turns,
 )
@@ -37,6 +38,13 @@ def _turns(item: pytest.Item) -> Path | None:
         return None
     factory: pytest.TempPathFactory = item.config._tmp_path_factory  # what tmp_path_factory is
     return factory.getbasetemp().parent
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A pytest-xdist worker (`make test`) starts its fork server now: it imports the servers'
+    modules (seconds) while the session's tiny models are built, before the first server."""
+    if getattr(session.config, "workerinput", None) is not None:
+        fork_server()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
