@@ -151,8 +151,11 @@ def main() -> None:
     print(f"\nsequential generate: {sequential:7.1f} tok/s (batch 1)")
 
     def engine() -> AsyncEngine:
+        # a checkpoint of its own: the server's engine empties the model's 4-bit modules once
+        # its runner has fused them (release_model_weights), so a second engine cannot share it
         settings = Settings(max_batch_size=64, max_waiting=1024, threads=args.threads)
-        return build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
+        own = load_checkpoint(args.model_dir, args.device, threads=1)
+        return build_engine(own, settings, Metrics(CollectorRegistry(), "bench"))
 
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
 

@@ -34,7 +34,7 @@ from predictor.engine.runners.int4_linear import Int4Linear, Kernel, head_candid
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 3  # of the cache file's contents and the choosing rule
+VERSION = 4  # of the cache file's contents and the choosing rule (4: the cut, CUT)
 ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
