@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from load.local_server import Process, local_server, popen
+from load.local_server import Launch, Process, local_server, popen
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_LAYERS, TINY_HIDDEN, TINY_HEAD = 2, 128, 32
@@ -254,12 +254,18 @@ def fork_server() -> ForkServer | None:
     return server
 
 
+def _launcher() -> tuple[Launch, Path]:
+    """How this test process starts `python -m predictor` (through its fork server where there
+    is one, else a new interpreter), and a new log file for the start."""
+    forks = fork_server()
+    log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
+    return (forks.launch if forks is not None else popen), log_path
+
+
 def run_predictor(args: Sequence[str], timeout: float = 120.0) -> tuple[int, str]:
     """`python -m predictor <args>` to its end (a start it refuses), through the fork server
     where there is one: its exit code and its output, stdout and stderr together."""
-    log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
-    forks = fork_server()
-    launch = forks.launch if forks is not None else popen
+    launch, log_path = _launcher()
     process = launch(["-m", "predictor", *args], REPO, log_path)
     try:
         code = process.wait(timeout)
@@ -293,14 +299,12 @@ class ServerProcess:
     def start(
         cls, model_dir: Path, model_name: str, extra: Sequence[str] = (), timeout: float = 180.0
     ) -> Iterator[ServerProcess]:
-        log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
         # torch's kernels and ops: the serving tests need requests that last seconds (holders of
         # 900 tokens, streams outliving a 4 MiB upload), and the native kernels decode the tiny
         # model several times faster. The native path is served end to end by
         # tests/load/test_bench_peers.py (default flags) and checked in tests/engine.
         args = ["--threads", "1", "--attention", "torch", "--kernel", "int4_op", *extra]
-        forks = fork_server()
-        launch = forks.launch if forks is not None else popen
+        launch, log_path = _launcher()
         with local_server(
             str(model_dir), model_name, log_path, args, timeout, launch=launch
         ) as srv:
