@@ -8,14 +8,16 @@ here. No torch: callers pass tensors' addresses.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from predictor.errors import NativeUnavailable
@@ -49,14 +51,43 @@ def build(
     A PyDLL's calls keep the GIL (the runner's microsecond kernels: a release per call costs
     more than it frees); a CDLL's release it, for a long call beside other Python threads."""
     cc = compiler()
-    cached = None
-    if cache_dir is not None:
-        digest = build_digest(cc, [*flags, *defines], source, variants)
-        cached = cache_dir / f"{source.stem}-{digest}.so"
-        try:
+    if cache_dir is None:
+        return _compile(cc, source, flags, defines, variants, None, loader)
+    cached = (
+        cache_dir / f"{source.stem}-{build_digest(cc, [*flags, *defines], source, variants)}.so"
+    )
+    with contextlib.suppress(OSError):  # not there yet, or unloadable (noexec): build it
+        return loader(str(cached))
+    with _building(cached):  # a process building it already: wait, then load what it kept
+        with contextlib.suppress(OSError):
             return loader(str(cached))
-        except OSError:  # not there yet, or unloadable (noexec): build as usual
-            pass
+        return _compile(cc, source, flags, defines, variants, cached, loader)
+
+
+@contextlib.contextmanager
+def _building(cached: Path) -> Iterator[None]:
+    """Held while one process builds `cached`: two servers (or test processes) starting at once
+    on one cache compile it once, not once each. Without a writable cache folder, no lock."""
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(cached.with_suffix(".lock"), "a")  # noqa: SIM115 (held across the yield)
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _compile(
+    cc: str,
+    source: Path,
+    flags: Sequence[str],
+    defines: Sequence[str],
+    variants: Sequence[Sequence[str]],
+    cached: Path | None,
+    loader: Callable[[str], ctypes.CDLL],
+) -> ctypes.CDLL:
     try:
         with tempfile.TemporaryDirectory(prefix="gptq-predictor-native-") as folder:
             library = Path(folder) / (source.stem + ".so")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,28 @@ def test_a_cached_build_is_loaded_without_compiling(
     assert _holds_gil(toolchain.build(source, ["-O2"], ["-DONE=1"], cache_dir=cache)) == 1
     with pytest.raises(NativeUnavailable, match="no temporary folder"):  # other flags: a miss
         toolchain.build(source, ["-O2"], ["-DONE=2"], cache_dir=cache)
+
+
+@needs_compiler
+def test_builds_of_one_library_at_once_compile_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two starts on one cache at once (two servers; the test workers' first servers): one
+    compiles, the other waits for it and loads what it kept. Threads open the lock file each,
+    as processes do (a flock belongs to an open file)."""
+    real = next(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang") if shutil.which(cc))
+    calls, wrapper = tmp_path / "calls", tmp_path / "slow-cc"
+    wrapper.write_text(  # a compiler that logs each build and takes its time
+        f'#!/bin/sh\ncase "$*" in *-shared*) echo build >> {calls}; sleep 0.5;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    source, cache = _source(tmp_path), tmp_path / "cache"
+    with ThreadPoolExecutor(2) as pool:
+        built = list(pool.map(lambda _: toolchain.build(source, ["-O2"], cache_dir=cache), "ab"))
+    assert [_holds_gil(library) for library in built] == [1, 1]
+    assert calls.read_text().split() == ["build"]
 
 
 def test_the_cpu_is_named_from_proc_cpuinfo() -> None:
