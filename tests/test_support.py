@@ -59,6 +59,12 @@ def test_tests_share_turns_and_a_serial_one_runs_alone(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
+    """The test process's own fork server, which `make test` starts with each worker (its
+    imports are a server start's: seconds); one of the module's where that one is off."""
+    shared = fork_server()
+    if shared is not None:
+        yield shared
+        return
     server = ForkServer()
     yield server
     server.close()
