@@ -18,6 +18,7 @@ prepare_environment(os.environ, Path(tempfile.gettempdir()) / "gptq-predictor-hf
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from tests.support import (  # noqa: E402
+    TUNE_CACHE_VARIABLE,
     ServerProcess,
     build_tiny_dense,
     build_tiny_gptq,
@@ -36,13 +37,24 @@ def _turns(item: pytest.Item) -> Path | None:
     folder, which holds each worker's and which pytest prunes; None in a plain pytest."""
     if getattr(item.config, "workerinput", None) is None:
         return None
-    factory: pytest.TempPathFactory = item.config._tmp_path_factory  # what tmp_path_factory is
-    return factory.getbasetemp().parent
+    return _run_folder(item.config)
+
+
+def _run_folder(config: pytest.Config) -> Path:
+    """The run's own temp folder: the one pytest-xdist's workers share (each has a folder in
+    it), or a plain pytest's; pytest prunes it."""
+    factory: pytest.TempPathFactory = config._tmp_path_factory  # what tmp_path_factory is
+    base = factory.getbasetemp()
+    return base.parent if getattr(config, "workerinput", None) is not None else base
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """A pytest-xdist worker (`make test`) starts its fork server now: it imports the servers'
+    """The run's servers and in-process runners (tests.support.tune_cache) keep their kernel
+    choices and compiled matmuls in one folder of the run's: measured or compiled once for all
+    of the run's processes, and nothing read from or left in the user's cache. A
+    pytest-xdist worker (`make test`) then starts its fork server: it imports the servers'
     modules (seconds) while the session's tiny models are built, before the first server."""
+    os.environ[TUNE_CACHE_VARIABLE] = str(_run_folder(session.config) / "autotune")
     if getattr(session.config, "workerinput", None) is not None:
         fork_server()
 

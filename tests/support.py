@@ -33,6 +33,19 @@ def worker_cores() -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
+# --autotune-cache as the environment gives it (predictor/config.py): tests/conftest.py points
+# it at a folder of the run's, for the run's servers and (tune_cache) in-process runners
+TUNE_CACHE_VARIABLE = "PREDICTOR_AUTOTUNE_CACHE"
+
+
+def tune_cache() -> Path | None:
+    """The run's autotune folder, for a runner made in a test process: a model's kernel
+    choices are measured, and the C matmuls compiled, once a run instead of once a runner
+    (choices) or a process (matmuls: seconds). None where no run set it."""
+    folder = os.environ.get(TUNE_CACHE_VARIABLE)
+    return Path(folder) if folder else None
+
+
 @contextmanager
 def taking_turns(folder: Path, alone: bool) -> Iterator[None]:
     """Hold this test process's turn while a test runs, beside the other pytest-xdist workers

@@ -18,7 +18,7 @@ from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams, TokenEvent
-from tests.support import worker_cores
+from tests.support import tune_cache, worker_cores
 
 
 @dataclass
@@ -29,7 +29,9 @@ class Tiny:
     pad_token_id: int
 
     def runner(self, num_blocks: int = 256, block_size: int = 16) -> ModelRunner:
-        return ModelRunner(self.model, torch.device("cpu"), num_blocks, block_size)
+        return ModelRunner(
+            self.model, torch.device("cpu"), num_blocks, block_size, autotune_cache=tune_cache()
+        )
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from predictor.engine.step_loop import StepLoop
 from predictor.types import FinishReason, SamplingParams
 from tests.engine.conftest import Collected, Tiny, drive, make_sequence, new_loop
 from tests.engine.test_step_loop import NO_EOS, reference_greedy
+from tests.support import tune_cache
 
 
 class Watched:
@@ -258,7 +259,7 @@ def test_hits_on_the_native_path_give_the_cold_tokens(tiny_gptq: Any) -> None:
     def run(caching: bool) -> tuple[list[list[int]], list[int]]:
         runner = ModelRunner(
             tiny_gptq.model, torch.device("cpu"), 64, 4, threads=1, attention="native",
-            kernel="native_f32",
+            kernel="native_f32", autotune_cache=tune_cache(),
         )  # fmt: skip
         assert runner._native is not None
         loop = new_loop(runner, NO_EOS, max_batch_size=4, max_step_tokens=16)

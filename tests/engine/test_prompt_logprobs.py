@@ -13,6 +13,7 @@ import torch
 from predictor.engine.runners.model import ModelRunner
 from predictor.types import FinishReason, PromptEcho, SamplingParams
 from tests.engine.conftest import Tiny, drive, make_sequence, new_loop
+from tests.support import tune_cache
 
 PROMPT = list(range(5, 75))  # 70 tokens: several chunks of 16
 
@@ -129,8 +130,9 @@ def test_gptq_runner_scores_like_the_gptq_model(
     the GPTQ model's own forward does, within bf16 rounding (the random model's logits are
     large: bf16 steps by 0.5 at 64)."""
     runner = ModelRunner(
-        tiny_gptq.model, torch.device("cpu"), 64, 16, attention=attention, kernel=kernel
-    )
+        tiny_gptq.model, torch.device("cpu"), 64, 16, attention=attention, kernel=kernel,
+        autotune_cache=tune_cache(),
+    )  # fmt: skip
     loop = new_loop(runner, tiny_gptq.eos_ids, max_step_tokens=16)
     seq, sink = make_sequence(
         tiny_gptq.tokenizer, PROMPT, SamplingParams(max_tokens=2, prompt_logprobs=3)

@@ -13,7 +13,7 @@ from predictor.engine.runners.model import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint
-from tests.support import ServerProcess, run_predictor
+from tests.support import ServerProcess, run_predictor, tune_cache
 
 
 def test_dense_checkpoint_is_not_gptq(tiny_dense_dir: Path) -> None:
@@ -55,7 +55,9 @@ def test_broken_config_is_one_clear_error(tmp_path: Path) -> None:
 
 def greedy_run(model: Any, prompt: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and their logits [steps, V] through the engine's runner."""
-    runner = ModelRunner(model, torch.device("cpu"), num_blocks=8, block_size=16)
+    runner = ModelRunner(
+        model, torch.device("cpu"), num_blocks=8, block_size=16, autotune_cache=tune_cache()
+    )
     table = list(range(8))
     logits = runner.forward([StepRow(table, 0, prompt, True)])
     tokens, rows = [], []

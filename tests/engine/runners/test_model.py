@@ -9,6 +9,7 @@ import torch
 
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.step import StepRow
+from tests.support import tune_cache
 
 
 def step_logits(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
@@ -30,9 +31,11 @@ def test_fused_int4_projections_give_the_same_tokens(tiny_gptq: Any) -> None:
     model = tiny_gptq.model
     # torch's int4 op in the fused layers: the autotune's pick can be int8 activations (under
     # load, or with one thread), held to its own bar in test_every_kernel_gives_the_reference_...
-    fused = ModelRunner(model, torch.device("cpu"), 64, 16, kernel="int4_op")
+    fused = ModelRunner(
+        model, torch.device("cpu"), 64, 16, kernel="int4_op", autotune_cache=tune_cache()
+    )
     assert all(layer is not None for layer in fused._fused)  # every layer fused on this CPU
-    plain = ModelRunner(model, torch.device("cpu"), 64, 16)
+    plain = ModelRunner(model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
     plain._fused = [None] * len(plain._fused)  # the model's own gptqmodel modules
     rng = random.Random(4)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (5, 17, 30)]
@@ -46,7 +49,9 @@ def test_paged_attention_matches_transformers_forward(tiny_gptq: Any) -> None:
     model = tiny_gptq.model
     # torch's int4 op, not the autotune's pick: the pick depends on timings (int8 activations
     # and head under load), and every pick is held to this reference in the test below
-    runner = ModelRunner(model, torch.device("cpu"), 64, 16, kernel="int4_op")
+    runner = ModelRunner(
+        model, torch.device("cpu"), 64, 16, kernel="int4_op", autotune_cache=tune_cache()
+    )
     prompt = [random.Random(5).randrange(100, 40000) for _ in range(23)]
     ours = step_logits(runner, [prompt], 4)
     ids = prompt + [int(x.argmax()) for x in ours[:-1]]
@@ -70,12 +75,22 @@ def fused_kernels() -> list[str]:
 def test_every_kernel_gives_the_reference_greedy_tokens(tiny_gptq: Any) -> None:
     """The reference path: torch's int4 op and torch's ops for attention, norms and rotary."""
     model = tiny_gptq.model
-    reference = ModelRunner(model, torch.device("cpu"), 64, 16, attention="torch", kernel="int4_op")
+    reference = ModelRunner(
+        model,
+        torch.device("cpu"),
+        64,
+        16,
+        attention="torch",
+        kernel="int4_op",
+        autotune_cache=tune_cache(),
+    )
     rng = random.Random(8)
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 21, 40)]
     expected = step_logits(reference, prompts, 8)
     for kernel in fused_kernels():
-        runner = ModelRunner(model, torch.device("cpu"), 64, 16, kernel=kernel)
+        runner = ModelRunner(
+            model, torch.device("cpu"), 64, 16, kernel=kernel, autotune_cache=tune_cache()
+        )
         assert runner._ops is not None  # native attention and layer ops on this CPU
         got = step_logits(runner, prompts, 8)
         for x, y in zip(got, expected, strict=True):

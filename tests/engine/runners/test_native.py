@@ -17,6 +17,7 @@ from predictor.engine.runners import native
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.step import StepRow
 from tests.engine.runners.test_model import step_logits
+from tests.support import tune_cache
 
 needs_compiler = pytest.mark.skipif(
     not any(shutil.which(cc) for cc in ("cc", "gcc", "g++", "clang")),
@@ -87,8 +88,12 @@ def test_kernel_matches_fp32_attention_over_scattered_blocks(
 @needs_compiler
 def test_runner_native_and_torch_attention_agree(tiny_gptq: Any) -> None:
     model = tiny_gptq.model
-    fast = ModelRunner(model, torch.device("cpu"), 64, 16, attention="native")
-    plain = ModelRunner(model, torch.device("cpu"), 64, 16, attention="torch")
+    fast = ModelRunner(
+        model, torch.device("cpu"), 64, 16, attention="native", autotune_cache=tune_cache()
+    )
+    plain = ModelRunner(
+        model, torch.device("cpu"), 64, 16, attention="torch", autotune_cache=tune_cache()
+    )
     assert fast._native is not None and plain._native is None
     rng = random.Random(9)
     # rows of different lengths: decode steps where the torch path masks and the kernel stops
@@ -103,7 +108,9 @@ def test_runner_native_and_torch_attention_agree(tiny_gptq: Any) -> None:
 
 @needs_compiler
 def test_runner_refuses_a_block_outside_the_cache(tiny_gptq: Any) -> None:
-    runner = ModelRunner(tiny_gptq.model, torch.device("cpu"), 4, 16, attention="native")
+    runner = ModelRunner(
+        tiny_gptq.model, torch.device("cpu"), 4, 16, attention="native", autotune_cache=tune_cache()
+    )
     runner.forward([StepRow([0], 0, [5, 6, 7], True)])
     with pytest.raises(ValueError, match="outside the cache"):
         runner.forward([StepRow([0, 4], 16, [8], True)])  # block 4 of 0..3
