@@ -23,7 +23,8 @@ from predictor.model.quantize import Recipe, calibration_texts, quantize_checkpo
 @dataclass
 class Record:
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    names: dict[int, str] = field(default_factory=dict)
+    # every task seen, held: a freed task's id() could name the next one (7 tasks, not 8, once)
+    tasks: list[Any] = field(default_factory=list)
     linear_products: int = 0
     stops_without_output: int = 0
     reused: int = 0
@@ -41,7 +42,11 @@ def _quantize(
 
     def counted_add_batch(self: Any, inp: torch.Tensor, out: torch.Tensor, **kw: Any) -> Any:
         # one task a module and layer, in the order they start: "0:self_attn.q_proj", ...
-        name = record.names.setdefault(id(self), f"{len(record.names)}:{self.name}")
+        index = next((i for i, task in enumerate(record.tasks) if task is self), None)
+        if index is None:
+            index = len(record.tasks)
+            record.tasks.append(self)
+        name = f"{index}:{self.name}"
         record.tokens[name] += inp.reshape(-1, inp.shape[-1]).shape[0]
         return add_batch(self, inp, out, **kw)
 
