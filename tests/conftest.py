@@ -91,12 +91,10 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The session's models: under pytest-xdist one folder for all the run's workers, each
+def workdir(request: pytest.FixtureRequest) -> Path:
+    """The session's models: one folder of the run's, for all its pytest-xdist workers, each
     model built by the first worker that needs it (built_once)."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return tmp_path_factory.mktemp("models")
-    folder = tmp_path_factory.getbasetemp().parent / "models"  # the run's, as in _turns
+    folder = _run_folder(request.config) / "models"
     folder.mkdir(exist_ok=True)
     return folder
 
