@@ -6,8 +6,9 @@ next to the GPTQ one: it is the quality reference and can be served as is) and t
 checkpoint with its tokenizer and chat template, calibrated on the project's own texts. The new
 checkpoint is scored against the fp one (predictor.model.evaluate) and installed only when its
 perplexity ratio on the test text is within the bar and it still knows that Paris is the capital
-of France. A second run finds both checkpoints and does nothing. Progress is shown per phase and,
-while quantizing, per layer, with the time elapsed and an estimate of what is left
+of France. A second run finds both checkpoints and does nothing, unless it asks for another
+recipe than the one quality.json says the checkpoint was built with. Progress is shown per phase
+and, while quantizing, per layer, with the time elapsed and an estimate of what is left
 (predictor.model.progress); quality.json records both quality figures and the phases' seconds.
 """
 
@@ -178,6 +179,15 @@ def is_built(out: Path) -> bool:
     )
 
 
+def built_recipe(out: Path) -> dict[str, Any] | None:
+    """The recipe a built checkpoint's quality.json records (None: unreadable or not recorded)."""
+    try:
+        recipe = json.loads((out / QUALITY_FILE).read_text())["build"]["recipe"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return recipe if isinstance(recipe, dict) else None
+
+
 def is_fp_built(out: Path) -> bool:
     return (
         (out / "config.json").is_file()
@@ -219,11 +229,18 @@ def build_default_model(
     console: TextIO | None = None,
     dtype: str = "auto",
 ) -> None:
-    if is_built(out) and is_fp_built(fp_out):
-        print(f"[model] {out} and {fp_out} are already built; nothing to do")
-        return
-    started = time.monotonic()
     progress = Progress(console or sys.stdout)
+    if is_built(out) and is_fp_built(fp_out):
+        if built_recipe(out) == asdict(recipe):
+            progress.say(f"[model] {out} and {fp_out} are already built; nothing to do")
+            return
+        # A recipe asked for is never silently ignored: the checkpoint is built again with it
+        # (and replaced only once the new one passes the gate).
+        progress.say(
+            f"[model] {out} was built with another recipe than {recipe.describe()}: "
+            "building it again"
+        )
+    started = time.monotonic()
     phases: dict[str, float] = {}
     out.parent.mkdir(parents=True, exist_ok=True)
     fp_out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,42 @@ def test_recipe_is_chosen_on_the_command_line(
     assert chosen == [RECIPES[name], DEFAULT_RECIPE]
     with pytest.raises(SystemExit):
         quantize.main(["--recipe", "no-such-recipe"])
+
+
+def _built(folder: Path, recipe: Recipe) -> None:
+    """The files is_built and is_fp_built look for, the GPTQ ones with `recipe` in quality.json."""
+    folder.mkdir(parents=True)
+    for name in ("config.json", "quantize_config.json", "tokenizer.json", "model.safetensors"):
+        (folder / name).write_text("{}")
+    build = {"build": {"recipe": asdict(recipe)}}
+    (folder / quantize.QUALITY_FILE).write_text(json.dumps(build))
+
+
+def test_a_build_is_done_again_only_for_another_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, fp_out = tmp_path / "gptq", tmp_path / "fp"
+    _built(out, DEFAULT_RECIPE)
+    _built(fp_out, DEFAULT_RECIPE)
+
+    class Building(Exception):
+        pass
+
+    def texts() -> list[str]:  # the first thing a build does after the fp checkpoint
+        raise Building
+
+    monkeypatch.setattr(quantize, "calibration_texts", texts)
+    quantize.build_default_model(out, fp_out, threads=1)
+    assert "already built; nothing to do" in capsys.readouterr().out
+    other = RECIPES["all-texts"]
+    with pytest.raises(Building):
+        quantize.build_default_model(out, fp_out, threads=1, recipe=other)
+    assert "built with another recipe than" in capsys.readouterr().out
+    assert quantize.is_built(out)  # the old checkpoint stays until a new one passes the gate
+    (out / quantize.QUALITY_FILE).write_text("not json")
+    assert quantize.built_recipe(out) is None
+    with pytest.raises(Building):
+        quantize.build_default_model(out, fp_out, threads=1)
 
 
 def test_cpu_is_named_with_the_isa_torch_is_held_to(monkeypatch: pytest.MonkeyPatch) -> None:
