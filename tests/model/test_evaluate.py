@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,13 @@ from predictor.model.evaluate import (
     main,
     text_ids,
 )
-from predictor.model.quantize import QUALITY_FILE, build_default_model, calibration_texts, gate
+from predictor.model.quantize import (
+    DEFAULT_RECIPE,
+    QUALITY_FILE,
+    build_default_model,
+    calibration_texts,
+    gate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +269,7 @@ def test_second_build_is_a_no_op(
     gptq, fp = tmp_path / "gptq", tmp_path / "fp"
     shutil.copytree(tiny_gptq_dir, gptq)
     shutil.copytree(tiny_dense_dir, fp)
-    (gptq / QUALITY_FILE).write_text("{}")
+    (gptq / QUALITY_FILE).write_text(json.dumps({"build": {"recipe": asdict(DEFAULT_RECIPE)}}))
     build_default_model(gptq, fp, threads=1)
     assert "already built; nothing to do" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fp", "gptq"]
