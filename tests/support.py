@@ -46,6 +46,17 @@ def tune_cache() -> Path | None:
     return Path(folder) if folder else None
 
 
+def native_cache() -> Path | None:
+    """Where the run's servers and runners keep the compiled C matmuls, for a test that
+    calls the kernels itself: each instruction set's library is compiled once a run (the widest
+    one also serves the servers; 8 s of compiling on a Xeon), not once a test process. None
+    where no run set a folder."""
+    from predictor.engine.runners import native
+
+    folder = tune_cache()
+    return native.library_cache(folder) if folder is not None else None
+
+
 @contextmanager
 def taking_turns(folder: Path, alone: bool) -> Iterator[None]:
     """Hold this test process's turn while a test runs, beside the other pytest-xdist workers

@@ -11,6 +11,7 @@ import torch
 
 from predictor.engine.runners import native
 from predictor.engine.runners.int4_linear import Int4Linear, _repack, int4pack_codes
+from tests.support import native_cache
 
 ISAS = native.usable_isas()
 needs_isa = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX2 + FMA nor AVX-512")
@@ -69,7 +70,7 @@ def test_int4pack_codes_reads_torchs_layout_back() -> None:
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n,k,group", [(16, 32, 32), (40, 96, 32), (208, 576, 32), (72, 128, 64)])
 def test_kernel_matches_the_int4_op_and_fp32_weights(isa: str, n: int, k: int, group: int) -> None:
-    kernel = native.int4_matmul(isa)
+    kernel = native.int4_matmul(isa, native_cache())
     q = quantized(n, k, group, seed=n + k)
     weight = repacked(kernel, q, n, k, group)
     generator = torch.Generator().manual_seed(1)
@@ -92,7 +93,7 @@ def test_kernel_matches_the_int4_op_and_fp32_weights(isa: str, n: int, k: int, g
 @needs_compiler
 @needs_isa
 def test_int8_activations_need_groups_of_32() -> None:
-    kernel = native.int4_matmul(ISAS[0])
+    kernel = native.int4_matmul(ISAS[0], native_cache())
     q = quantized(16, 48, 16, seed=3)
     weight = repacked(kernel, q, 16, 48, 16)
     x = torch.randn((2, 48)).bfloat16()
@@ -107,7 +108,7 @@ def test_int8_activations_need_groups_of_32() -> None:
 @needs_compiler
 @needs_isa
 def test_threads_split_the_tiles_with_the_same_numbers() -> None:
-    kernel = native.int4_matmul(ISAS[0])
+    kernel = native.int4_matmul(ISAS[0], native_cache())
     n, k = 512, 256
     q = quantized(n, k, 32, seed=9)
     weight = repacked(kernel, q, n, k, 32)

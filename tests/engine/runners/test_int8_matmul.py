@@ -12,6 +12,7 @@ import torch
 
 from predictor.engine.runners import autotune, native
 from predictor.engine.runners.int4_linear import head_candidates
+from tests.support import native_cache
 
 ISAS = native.usable_isas()
 needs_isa = pytest.mark.skipif(not ISAS, reason="this CPU has neither AVX2 + FMA nor AVX-512")
@@ -50,7 +51,7 @@ def run(kernel: native.Int8Kernel, packed: torch.Tensor, x: torch.Tensor, n: int
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("n,k", [(16, 32), (37, 64), (200, 576), (1001, 96)])
 def test_kernel_matches_its_dequantized_weights(isa: str, n: int, k: int) -> None:
-    kernel = native.int8_matmul(isa)
+    kernel = native.int8_matmul(isa, native_cache())
     generator = torch.Generator().manual_seed(n + k)
     weight = (torch.randn((n, k), generator=generator) * 0.05).bfloat16()
     packed = quantize(kernel, weight)
@@ -75,18 +76,18 @@ def test_kernel_matches_its_dequantized_weights(isa: str, n: int, k: int) -> Non
 @needs_isa
 def test_every_instruction_set_makes_the_same_bytes_and_numbers_alike() -> None:
     weight = (torch.randn((100, 96)) * 0.1).bfloat16()
-    packs = {isa: quantize(native.int8_matmul(isa), weight) for isa in ISAS}
+    packs = {isa: quantize(native.int8_matmul(isa, native_cache()), weight) for isa in ISAS}
     first = next(iter(packs.values()))
     assert all(torch.equal(p, first) for p in packs.values())
     x = torch.randn((6, 96)).bfloat16()
-    outs = [run(native.int8_matmul(isa), first, x, 100, 0) for isa in ISAS]
+    outs = [run(native.int8_matmul(isa, native_cache()), first, x, 100, 0) for isa in ISAS]
     assert all(torch.allclose(o, outs[0], rtol=1e-5, atol=1e-5) for o in outs)
 
 
 @needs_compiler
 @needs_isa
 def test_threads_split_the_tiles_with_the_same_numbers() -> None:
-    kernel = native.int8_matmul(ISAS[0])
+    kernel = native.int8_matmul(ISAS[0], native_cache())
     weight = (torch.randn((515, 128)) * 0.1).bfloat16()
     packed = quantize(kernel, weight)
     x = torch.randn((11, 128)).bfloat16()
@@ -99,7 +100,7 @@ def test_threads_split_the_tiles_with_the_same_numbers() -> None:
 @needs_compiler
 @needs_isa
 def test_bad_shapes_and_ids_are_refused() -> None:
-    kernel = native.int8_matmul(ISAS[0])
+    kernel = native.int8_matmul(ISAS[0], native_cache())
     packed = quantize(kernel, torch.ones((16, 64), dtype=torch.bfloat16))
     x = torch.ones((1, 48), dtype=torch.bfloat16)
     out = torch.empty((1, 16))
