@@ -237,7 +237,7 @@ def build_default_model(
         # A recipe asked for is never silently ignored: the checkpoint is built again with it
         # (and replaced only once the new one passes the gate).
         progress.say(
-            f"[model] {out} was built with another recipe than {recipe.describe()}: "
+            f"[model] {out} was not built with the recipe asked for ({recipe.describe()}): "
             "building it again"
         )
     started = time.monotonic()
