@@ -10,6 +10,7 @@ attention is (a bf16 Llama on the CPU, `--attention native|auto`), else the runn
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -64,9 +65,10 @@ class LayerKernels:
         return out
 
 
-def layer_kernels(model: Any, head_dim: int) -> LayerKernels | None:
-    """The kernels for this model, or None where they do not apply (not bf16 RMSNorm + SiLU
-    Llama layers) or cannot be built (no compiler: logged)."""
+def layer_kernels(model: Any, head_dim: int, cache_dir: Path | None = None) -> LayerKernels | None:
+    """The kernels for this model (their library kept in `cache_dir` where given), or None
+    where they do not apply (not bf16 RMSNorm + SiLU Llama layers) or cannot be built (no
+    compiler: logged)."""
     decoder = model.model
     norms = [decoder.norm]
     for layer in decoder.layers:
@@ -82,7 +84,7 @@ def layer_kernels(model: Any, head_dim: int) -> LayerKernels | None:
     if getattr(model.config, "hidden_act", "silu") != "silu":
         return None
     try:
-        return LayerKernels(layer_ops(head_dim), list(decoder.layers), decoder.norm)
+        return LayerKernels(layer_ops(head_dim, cache_dir), list(decoder.layers), decoder.norm)
     except NativeUnavailable as error:
         logger.warning("native layer ops unavailable, using torch's: %s", error)
         return None

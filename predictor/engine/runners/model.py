@@ -134,7 +134,7 @@ class ModelRunner:
         # with native attention, the layers' norms, rotary + cache write and SwiGLU too
         self._ops: LayerKernels | None = None
         if self._native is not None:
-            self._ops = layer_kernels(model, self.head_dim)
+            self._ops = layer_kernels(model, self.head_dim, self._library_cache())
 
     def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
         if attention not in ATTENTION:
@@ -146,12 +146,18 @@ class ModelRunner:
                 raise ValueError("native attention needs a bf16 model on the CPU")
             return None
         try:
-            return decode_attention(self.head_dim, self.heads // self.kv_heads, self.block_size)
+            return decode_attention(
+                self.head_dim, self.heads // self.kv_heads, self.block_size, self._library_cache()
+            )
         except NativeUnavailable as error:
             if attention == "native":
                 raise
             logger.warning("native decode attention unavailable, using torch's: %s", error)
             return None
+
+    def _library_cache(self) -> Path | None:
+        """Where the native libraries are kept between starts: beside the autotune's choices."""
+        return None if self._autotune_cache is None else library_cache(self._autotune_cache)
 
     def bind_thread(self) -> None:
         """Called first on the thread that will run the forward passes.
@@ -172,15 +178,15 @@ class ModelRunner:
         fused = [(f, kind) for f in self._fused if f is not None for kind in FusedLayer.KINDS]
         linears = [getattr(f, kind) for f, kind in fused]
         threads = torch.get_num_threads()
-        isas = usable_isas()
-        if isas and self._autotune_cache is not None:
+        isas, cache = usable_isas(), self._library_cache()
+        if isas and cache is not None:
             # built into the cache folder, or loaded from it (the head's int8 kernel too: it
             # was compiled afresh at every start, about a second before the server was ready)
             for name, build in MATMULS.items():
                 if name == "int4" and not linears:
                     continue  # no int4 projections to serve
                 try:
-                    library = build(isas[0], library_cache(self._autotune_cache))
+                    library = build(isas[0], cache)
                 except NativeUnavailable as error:
                     logger.warning("native %s matmul unavailable: %s", name, error)
                 else:  # logged here: the build may have run before logging was set up

@@ -75,18 +75,19 @@ THREADED: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-march=nativ
 
 
 @functools.lru_cache(maxsize=8)
-def decode_attention(head_dim: int, group: int, block_size: int) -> DecodeAttention:
-    """The compiled kernel for these shapes; NativeUnavailable (with the compiler's words) if
-    it cannot be built here."""
-    lib = _build(
-        [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"], variants=THREADED
-    )
+def decode_attention(
+    head_dim: int, group: int, block_size: int, cache_dir: Path | None = None
+) -> DecodeAttention:
+    """The compiled kernel for these shapes (kept in `cache_dir`, the library cache, where
+    given); NativeUnavailable (with the compiler's words) if it cannot be built here."""
+    defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"]
+    lib = _build(defines, variants=THREADED, cache_dir=cache_dir)
     function = lib.decode_attention_bf16
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     function.restype = None
     function.argtypes = [pointer, integer, pointer, integer, pointer, integer, pointer]
     function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer, integer]
-    logger.info("native decode attention compiled (head_dim %d, group %d)", head_dim, group)
+    logger.info("native decode attention ready (head_dim %d, group %d)", head_dim, group)
     kernel: DecodeAttention = function
     return kernel
 
@@ -222,7 +223,8 @@ MATMULS: dict[str, Callable[[str, Path], Int4Kernel | Int8Kernel]] = {
 
 
 def library_cache(autotune_cache: Path) -> Path:
-    """Where the compiled matmul libraries are kept: beside the autotune's choices."""
+    """Where the compiled libraries (the matmuls, decode attention, layer ops) are kept:
+    beside the autotune's choices."""
     return autotune_cache / "native"
 
 
@@ -283,9 +285,10 @@ class LayerOps:
 
 
 @functools.lru_cache(maxsize=4)
-def layer_ops(head_dim: int) -> LayerOps:
-    """layer_ops.c compiled for this head_dim; NativeUnavailable if it cannot be built here."""
-    lib = _build([f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED)
+def layer_ops(head_dim: int, cache_dir: Path | None = None) -> LayerOps:
+    """layer_ops.c compiled for this head_dim (kept in `cache_dir`, the library cache, where
+    given); NativeUnavailable if it cannot be built here."""
+    lib = _build([f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED, cache_dir)
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
     norm, rope, silu = lib.add_rms_norm, lib.rope_write, lib.silu_mul
     norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer, integer]
@@ -294,5 +297,5 @@ def layer_ops(head_dim: int) -> LayerOps:
     silu.argtypes = [pointer, integer, integer, pointer, integer]
     for function in (norm, rope, silu):
         function.restype = None
-    logger.info("native layer ops compiled (head_dim %d)", head_dim)
+    logger.info("native layer ops ready (head_dim %d)", head_dim)
     return LayerOps(norm, rope, silu)

@@ -1,5 +1,5 @@
-"""The native decode attention kernel: against an fp32 reference, in the runner, and without a
-compiler."""
+"""The native decode attention kernel: against an fp32 reference, in the runner, kept in the
+library cache, and without a compiler."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from predictor import toolchain
 from predictor.config import Settings
 from predictor.engine.runners import native
 from predictor.engine.runners.model import ModelRunner
@@ -114,6 +115,42 @@ def test_runner_refuses_a_block_outside_the_cache(tiny_gptq: Any) -> None:
     runner.forward([StepRow([0], 0, [5, 6, 7], True)])
     with pytest.raises(ValueError, match="outside the cache"):
         runner.forward([StepRow([0, 4], 16, [8], True)])  # block 4 of 0..3
+
+
+@needs_compiler
+def test_attention_and_layer_ops_are_kept_in_the_library_cache(
+    tiny_gptq: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compiled at a first start into the library cache and loaded from it at the next: both
+    were compiled afresh at every start of the server."""
+    compiled: list[str] = []
+    compile_ = toolchain._compile
+
+    def counted(cc: str, source: Path, *args: Any) -> Any:
+        compiled.append(source.name)
+        return compile_(cc, source, *args)
+
+    monkeypatch.setattr(toolchain, "_compile", counted)
+
+    def start() -> None:
+        native.decode_attention.cache_clear()  # as in a new process
+        native.layer_ops.cache_clear()
+        runner = ModelRunner(
+            tiny_gptq.model, torch.device("cpu"), 4, 16, attention="native",
+            autotune_cache=tmp_path,
+        )  # fmt: skip
+        assert runner._native is not None and runner._ops is not None
+
+    try:
+        start()
+        assert sorted(compiled) == ["decode_attention.c", "layer_ops.c"]
+        kept = native.library_cache(tmp_path).glob("*.so")
+        assert sorted(path.name.split("-")[0] for path in kept) == ["decode_attention", "layer_ops"]
+        start()
+        assert len(compiled) == 2  # read back, not compiled again
+    finally:
+        native.decode_attention.cache_clear()
+        native.layer_ops.cache_clear()
 
 
 def test_without_a_compiler_auto_falls_back_and_native_refuses(
