@@ -185,6 +185,8 @@ def main() -> None:
         rates[c] = asyncio.run(concurrency_run(c))
         print(f"{c:>11} {rates[c]:8.1f} {rates[c] / sequential:12.2f}x")
 
+    if args.poisson_requests <= 0:  # --poisson-requests 0: the batch sizes only
+        return
     capacity = max(rates.values()) / args.new_tokens  # requests/s at the best batch size
     rate = args.poisson_rate or 0.6 * capacity
     rng = random.Random(7)
