@@ -146,9 +146,11 @@ def main() -> None:
             generate(prompt, args.new_tokens)
         return args.sequential_requests * args.new_tokens / (time.perf_counter() - started)
 
-    with ThreadPoolExecutor(1) as pool:
-        sequential = pool.submit(sequential_generate).result()
-    print(f"\nsequential generate: {sequential:7.1f} tok/s (batch 1)")
+    sequential = 0.0  # --sequential-requests 0: the engine's batch sizes only, no ratios
+    if args.sequential_requests > 0:
+        with ThreadPoolExecutor(1) as pool:
+            sequential = pool.submit(sequential_generate).result()
+        print(f"\nsequential generate: {sequential:7.1f} tok/s (batch 1)")
 
     def engine() -> AsyncEngine:
         # a checkpoint of its own: the server's engine empties the model's 4-bit modules once
@@ -183,7 +185,8 @@ def main() -> None:
     rates = {}
     for c in args.concurrency:
         rates[c] = asyncio.run(concurrency_run(c))
-        print(f"{c:>11} {rates[c]:8.1f} {rates[c] / sequential:12.2f}x")
+        ratio = f"{rates[c] / sequential:12.2f}x" if sequential else f"{'-':>13}"
+        print(f"{c:>11} {rates[c]:8.1f} {ratio}")
 
     if args.poisson_requests <= 0:  # --poisson-requests 0: the batch sizes only
         return
