@@ -1,11 +1,12 @@
-"""EleutherAI's lm-evaluation-harness (`lm_eval --model local-completions`, the usual way to
-score a served model) runs a small local multiple-choice task against the real server: its
-loglikelihood requests are token-id prompts with echo, logprobs and max_tokens 1."""
+"""EleutherAI's lm-evaluation-harness (`--model local-completions`, the usual way to score a
+served model) runs a small local multiple-choice task against the real server: its
+loglikelihood requests are token-id prompts with echo, logprobs and max_tokens 1. It runs as
+load/lm_eval_compare.py runs it, through lm-eval's `simple_evaluate` (what `lm_eval run` calls)
+with a task manager that indexes only the task's folder, in a process of its own."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from load.lm_eval_compare import TASK, write_task
+from load.lm_eval_compare import write_task
 from predictor.model.loader import LoadedModel
-from tests.support import ServerProcess
+from tests.support import REPO, ServerProcess
 
 QUESTIONS = [
     {"question": "What color is the sky?", "choices": ["blue", "green", "red"], "answer": 0},
@@ -36,37 +37,41 @@ def loglikelihood(loaded: LoadedModel, context: str, continuation: str) -> float
     return sum(float(logp[t - 1, whole[t]]) for t in range(start, len(whole)))
 
 
+# lm-eval reads its offline settings when it is imported: a process of its own, set up first
+RUN_TASK = """
+import json, sys
+from pathlib import Path
+from load.lm_eval_compare import evaluate, offline_env
+work, model_args, out = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+offline_env(work)
+out.write_text(json.dumps(evaluate("local-completions", model_args, work / "tasks", None)))
+"""
+
+
 def test_lm_eval_local_completions_scores_a_task(
     server: ServerProcess, tokenizer_dir: Path, tmp_path: Path, tiny_gptq: LoadedModel
 ) -> None:
     data = tmp_path / "questions.jsonl"
     data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
     write_task(tmp_path / "tasks", data)
-    out = tmp_path / "out"
-    env = os.environ | {
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "HF_HOME": str(tmp_path / "hf"), "HF_DATASETS_CACHE": str(tmp_path / "datasets"),
-        "TOKENIZERS_PARALLELISM": "false",
-    }  # fmt: skip
+    out = tmp_path / "out.json"
     model_args = (
         f"model=tiny,base_url={server.base_url}/v1/completions,tokenizer={tokenizer_dir},"
         "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1"
     )
     run = subprocess.run(
-        [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
-         "--model_args", model_args, "--tasks", TASK, "--include_path", str(tmp_path / "tasks"),
-         "--output_path", str(out), "--log_samples"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", RUN_TASK, str(tmp_path), model_args, str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (results,) = out.rglob("results_*.json")
-    acc = json.loads(results.read_text())["results"][TASK]["acc,none"]
-    assert 0.0 <= acc <= 1.0
-    (samples,) = out.rglob(f"samples_{TASK}_*.jsonl")
-    rows = [json.loads(line) for line in samples.read_text().splitlines()]
-    assert len(rows) == len(QUESTIONS)
-    for row in rows:  # one log-likelihood per choice, from the server's echo logprobs
-        assert len(row["resps"]) == len(row["doc"]["choices"])
-        for (resp,), args in zip(row["resps"], row["arguments"].values(), strict=True):
-            expected = loglikelihood(tiny_gptq, args["arg_0"], args["arg_1"])
-            assert float(resp[0]) == pytest.approx(expected, rel=2**-6, abs=0.02)
+    result = json.loads(out.read_text())
+    assert 0.0 <= result["acc"] <= 1.0
+    assert [doc for doc, _ in result["samples"]] == list(range(len(QUESTIONS)))
+    assert [doc for doc, _ in result["requests"]] == list(range(len(QUESTIONS)))
+    for (doc, scores), (_, requests) in zip(result["samples"], result["requests"], strict=True):
+        # one log-likelihood per choice, from the server's echo logprobs
+        assert len(scores) == len(requests) == len(QUESTIONS[doc]["choices"])
+        for score, (context, continuation) in zip(scores, requests, strict=True):
+            assert continuation.strip() in QUESTIONS[doc]["choices"]
+            expected = loglikelihood(tiny_gptq, context, continuation)
+            assert score == pytest.approx(expected, rel=2**-6, abs=0.02)
