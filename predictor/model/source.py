@@ -61,15 +61,33 @@ def gguf_read_once() -> Iterator[None]:
     shared: the export takes ~9 s instead of ~18 s (Zen 5), and writes the same files byte for byte
     (tests/model/test_source.py). transformers imports both names from `gguf` at call time,
     which is what lets the block swap them.
+
+    The one parse also reads the file's mapping as a plain array: the reader slices its
+    `np.memmap` ~250,000 times, and each slice of a memmap is a memmap, made through numpy's
+    Python-level `memmap.__getitem__` and `__array_finalize__`. Viewed as a plain ndarray (the
+    same pages, nothing copied) the parse takes 0.9 s instead of 3.9 s (Xeon, 2 cores), and every
+    field and tensor reads the same.
     """
     import gguf
+    import numpy
 
     module: Any = gguf  # its attributes are swapped: typed as the module, not as what they hold
     reader_class, name_map = module.GGUFReader, module.get_tensor_name_map
 
+    class PlainArrayReader(reader_class):  # type: ignore[misc, valid-type]
+        """The reader, with the mapping it assigns to `data` viewed as a plain ndarray."""
+
+        @property
+        def data(self) -> Any:
+            return self._plain_data
+
+        @data.setter
+        def data(self, mapped: Any) -> None:
+            self._plain_data = numpy.asarray(mapped)  # a view: the mapping stays its base
+
     @functools.cache
     def reader(path: str, mode: str = "r") -> Any:
-        return reader_class(path, mode)
+        return PlainArrayReader(path, mode)
 
     module.GGUFReader = lambda path, mode="r": reader(str(path), mode)
     module.get_tensor_name_map = functools.cache(name_map)

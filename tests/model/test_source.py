@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 
 from predictor.model.source import gguf_location, gguf_read_once
@@ -34,7 +35,17 @@ def test_the_gguf_file_is_parsed_once_and_reads_the_same(
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         first = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
         again = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
+        reader = gguf.GGUFReader(folder / name)
     assert parsed == [str(folder / name)]  # two loads, one parse
+    # read as a plain array (memmap slices are made in Python, 4x slower to parse): every
+    # tensor is its bytes in the file
+    assert type(reader.data) is numpy.ndarray
+    raw = (folder / name).read_bytes()
+    assert len(reader.tensors) == 272
+    for tensor in reader.tensors:
+        assert type(tensor.data) is numpy.ndarray
+        start = tensor.data_offset
+        assert tensor.data.tobytes() == raw[start : start + int(tensor.n_bytes)], tensor.name
     assert again is first
     assert gguf.GGUFReader is CountingReader and gguf.get_tensor_name_map is original_map
     unshared = AutoTokenizer.from_pretrained(tokenizer_dir)
