@@ -65,45 +65,77 @@ void row_sums(const float *x, int64_t rows, int64_t cols, float *out) {
     }
 }
 
-void scale_search(const float *x, int64_t rows, int64_t cols, int64_t stride,
-                  const float *xmin, const float *xmax, const float *shrink, int64_t steps,
-                  float maxq, int32_t sym, float sym_zero, float *best_scale,
-                  float *best_zero) {
+/* The search of one row: `*best_scale` and `*best_zero` hold the starting range's on entry. */
+static void search_row(const float *row, int64_t cols, float xmin, float xmax,
+                       const float *shrink, int64_t steps, float maxq, int32_t sym,
+                       float sym_zero, float *best_scale, float *best_zero) {
     float scale[MAX_STEPS], zero[MAX_STEPS], rest[MAX_STEPS];
     float chain[CHAINS * LANES][MAX_STEPS];
     const int64_t lanes = lanes_for(cols);
+    for (int64_t c = 0; c < steps; c++) {
+        const float lo = shrink[c] * xmin, hi = shrink[c] * xmax;
+        scale[c] = (hi - lo) / maxq;
+        zero[c] = sym ? sym_zero : nearbyintf(-lo / scale[c]);
+        rest[c] = 0.0f;
+    }
+    for (int s = 0; s < CHAINS * LANES; s++)
+        for (int64_t c = 0; c < steps; c++) chain[s][c] = 0.0f;
+    for (int64_t j = 0; j < cols; j++) {
+        const float v = row[j];
+        const int64_t s = slot(j, cols, lanes);
+        float *sum = s < 0 ? rest : chain[s];
+        for (int64_t c = 0; c < steps; c++) {
+            float q = nearbyintf(v / scale[c]) + zero[c];
+            q = q < 0.0f ? 0.0f : q;  /* NaN stays NaN, as in torch.clamp */
+            q = q > maxq ? maxq : q;
+            const float d = (q - zero[c]) * scale[c] - v;
+            sum[c] += d * d;
+        }
+    }
+    float best = INFINITY;
+    for (int64_t c = 0; c < steps; c++) {
+        float terms[CHAINS * LANES];
+        for (int s = 0; s < CHAINS * LANES; s++) terms[s] = chain[s][c];
+        const float err = finish(terms, rest[c], lanes);
+        if (err < best) {  /* the first least error wins; NaN never does */
+            best = err;
+            *best_scale = scale[c];
+            *best_zero = zero[c];
+        }
+    }
+}
+
+/* gptqmodel's Quantizer.find_params for a group, per row r: the range [xmin, xmax] of the row
+   and 0 (NaN where the row holds one, as torch.min and torch.minimum give), for `sym` the
+   range made symmetric, an all-zero range widened to [-1, 1]; its scale and zero; then, where
+   `steps` > 0, the search above from there. Written to scale[r] and zero[r]. */
+void find_params(const float *x, int64_t rows, int64_t cols, int64_t stride, float maxq,
+                 int32_t sym, float sym_zero, const float *shrink, int64_t steps, float *scale,
+                 float *zero) {
     for (int64_t r = 0; r < rows; r++) {
         const float *row = x + r * stride;
-        for (int64_t c = 0; c < steps; c++) {
-            const float lo = shrink[c] * xmin[r], hi = shrink[c] * xmax[r];
-            scale[c] = (hi - lo) / maxq;
-            zero[c] = sym ? sym_zero : nearbyintf(-lo / scale[c]);
-            rest[c] = 0.0f;
-        }
-        for (int s = 0; s < CHAINS * LANES; s++)
-            for (int64_t c = 0; c < steps; c++) chain[s][c] = 0.0f;
+        float lo = 0.0f, hi = 0.0f;
+        int nan = 0;
         for (int64_t j = 0; j < cols; j++) {
             const float v = row[j];
-            const int64_t s = slot(j, cols, lanes);
-            float *sum = s < 0 ? rest : chain[s];
-            for (int64_t c = 0; c < steps; c++) {
-                float q = nearbyintf(v / scale[c]) + zero[c];
-                q = q < 0.0f ? 0.0f : q;  /* NaN stays NaN, as in torch.clamp */
-                q = q > maxq ? maxq : q;
-                const float d = (q - zero[c]) * scale[c] - v;
-                sum[c] += d * d;
-            }
+            nan |= v != v;
+            lo = v < lo ? v : lo;
+            hi = v > hi ? v : hi;
         }
-        float best = INFINITY;
-        for (int64_t c = 0; c < steps; c++) {
-            float terms[CHAINS * LANES];
-            for (int s = 0; s < CHAINS * LANES; s++) terms[s] = chain[s][c];
-            const float err = finish(terms, rest[c], lanes);
-            if (err < best) {  /* the first least error wins; NaN never does */
-                best = err;
-                best_scale[r] = scale[c];
-                best_zero[r] = zero[c];
-            }
+        if (nan) lo = hi = NAN;
+        if (sym) {
+            const float magnitude = fabsf(lo);
+            hi = magnitude > hi ? magnitude : hi;
+            if (lo < 0.0f) lo = -hi;
         }
+        if (lo == 0.0f && hi == 0.0f) {
+            lo = -1.0f;
+            hi = 1.0f;
+        }
+        scale[r] = (hi - lo) / maxq;
+        zero[r] = sym ? sym_zero : nearbyintf(-lo / scale[r]);
+        if (steps > 0)
+            search_row(row, cols, lo, hi, shrink, steps, maxq, sym, sym_zero, &scale[r],
+                       &zero[r]);
     }
 }

@@ -14,12 +14,15 @@ loop when the weights are grouped: every group's parameters are searched again i
 before any column is quantized, so that first result is never used (an 80-candidate search over
 a whole [1536, 576] matrix per module, 14% of the search time).
 
-The search of a group runs in C where a compiler is found (`scale_search.c`, built at first use
-with predictor.toolchain), the same choice bit for bit: every element is computed as torch
-computes it and each row's error is summed in the order of torch's own sum, which the module
-checks against torch.sum once a process before it uses the kernel (elsewhere: the torch
-version below). Its calls release the GIL, so gptqmodel's two solve workers search on both
-cores beside the calibration forwards. Measured in `make model` with torch held to AVX2 (Zen 5,
+The search of a group, and the range it starts from, run in C where a compiler is found
+(`scale_search.c`, built at first use with predictor.toolchain), one call a group, the same
+choice bit for bit: every element is computed as torch computes it and each row's error is
+summed in the order of torch's own sum, which the module checks against torch.sum once a
+process before it uses the kernel (elsewhere: the torch version below). Its calls release the
+GIL, so gptqmodel's two solve workers search on both cores beside the calibration forwards.
+The range in C as well (a dozen small torch operations a group before, each taking the GIL
+back): one group of 1536 x 32, two threads at once, 12.0-13.2 ms -> 9.8-10.7 ms (Xeon, AVX2
+held). Measured in `make model` with torch held to AVX2 (Zen 5,
 2 cores, py-spy): the search took 40 s of the solve workers' 74 s in torch; one group of 576 x
 32, 1 thread: 3.7 ms in torch, 0.43 ms in C (load/RESULTS.md).
 
@@ -97,6 +100,15 @@ def _find_params(quantizer: Any, x: torch.Tensor, search: bool) -> None:
     maxq = quantizer.maxq.to(x.device)
     quantizer.maxq = maxq
     sym = bool(quantizer.qcfg.sym)
+    power = float(getattr(quantizer.qcfg, "mse", 0.0) or 0.0)
+    searching = power > 0.0 and search
+    native = _native_search()
+    if native is not None and _native_fits(x, power if searching else 2.0, native):
+        shrink = _shrinks(quantizer, torch.float32, torch.device("cpu")) if searching else None
+        if shrink is None or shrink.numel() <= MAX_NATIVE_STEPS:
+            scale, zero = _find_native(native, x, shrink, maxq, sym)
+            quantizer.scale, quantizer.zero = scale.reshape(-1, 1), zero.reshape(-1, 1)
+            return
     zeros = torch.zeros(x.shape[0], device=x.device)
     xmin = torch.minimum(x.min(1)[0], zeros)  # [rows]
     xmax = torch.maximum(x.max(1)[0], zeros)
@@ -110,13 +122,8 @@ def _find_params(quantizer: Any, x: torch.Tensor, search: bool) -> None:
     xmax[flat] = +1
     scale = (xmax - xmin) / maxq
     zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-xmin / scale)
-    power = float(getattr(quantizer.qcfg, "mse", 0.0) or 0.0)
-    if power > 0.0 and search:
-        native = _native_search()
-        if native is not None and _native_fits(x, power, native):
-            scale, zero = _search_native(native, quantizer, x, xmin, xmax, scale, zero, maxq, sym)
-        else:
-            scale, zero = _search(quantizer, x, xmin, xmax, scale, zero, maxq, sym, power)
+    if searching:
+        scale, zero = _search(quantizer, x, xmin, xmax, scale, zero, maxq, sym, power)
     quantizer.scale = scale.reshape(-1, 1)
     quantizer.zero = zero.reshape(-1, 1)
 
@@ -170,9 +177,10 @@ def _search(
 
 @dataclass(frozen=True)
 class NativeSearch:
-    """scale_search.c loaded: the search, and the widest group it sums in torch's order."""
+    """scale_search.c loaded: find_params (the range and the search), and the widest group it
+    sums in torch's order."""
 
-    search: Any  # ctypes function
+    find_params: Any  # ctypes function
     max_columns: int
 
 
@@ -184,12 +192,12 @@ def _native_search() -> NativeSearch | None:
     if library is None:  # a CDLL: its calls release the GIL
         return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    search, sums, widest = library.scale_search, library.row_sums, library.max_columns
-    search.restype, sums.restype, widest.restype = None, None, integer
-    search.argtypes = [pointer, integer, integer, integer, pointer, pointer, pointer, integer]
-    search.argtypes += [ctypes.c_float, ctypes.c_int32, ctypes.c_float, pointer, pointer]
+    find, sums, widest = library.find_params, library.row_sums, library.max_columns
+    find.restype, sums.restype, widest.restype = None, None, integer
+    find.argtypes = [pointer, integer, integer, integer, ctypes.c_float, ctypes.c_int32]
+    find.argtypes += [ctypes.c_float, pointer, integer, pointer, pointer]
     sums.argtypes = [pointer, integer, integer, pointer]
-    native = NativeSearch(search, int(widest()))
+    native = NativeSearch(find, int(widest()))
     if not _sums_as_torch_does(sums, native.max_columns):
         logger.info("the scale search runs in torch: torch.sum adds in another order here")
         return None
@@ -219,30 +227,23 @@ def _native_fits(x: torch.Tensor, power: float, native: NativeSearch) -> bool:
     )
 
 
-def _search_native(
+def _find_native(
     native: NativeSearch,
-    quantizer: Any,
     x: torch.Tensor,  # [rows, columns], rows apart by x.stride(0)
-    xmin: torch.Tensor,  # [rows]
-    xmax: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
+    shrink: torch.Tensor | None,  # the candidates (fp32, CPU); None: no search
     maxq: torch.Tensor,
     sym: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_search` for power 2 in C: the same candidates, sums and rule, in one pass."""
-    shrink = _shrinks(quantizer, torch.float32, torch.device("cpu"))
-    steps = shrink.numel()
-    if steps > MAX_NATIVE_STEPS:
-        return _search(quantizer, x, xmin, xmax, scale, zero, maxq, sym, 2.0)
-    xmin, xmax = xmin.float().contiguous(), xmax.float().contiguous()
-    best_scale = scale.float().contiguous().clone()
-    best_zero = zero.float().contiguous().clone()
+    """The whole of `_find_params` for one group in C, one call: the range, its scale and
+    zero and, with `shrink`, the search for power 2 (`_search`'s candidates, sums and rule).
+    In torch that is a dozen small operations a group, each taking the GIL back between the
+    solve workers; this call releases it once."""
     rows, columns = x.shape
+    scale, zero = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
     top = float(maxq.item())
-    native.search(
-        x.data_ptr(), rows, columns, x.stride(0), xmin.data_ptr(), xmax.data_ptr(),
-        shrink.data_ptr(), steps, top, int(sym), (top + 1) / 2, best_scale.data_ptr(),
-        best_zero.data_ptr(),
+    steps = 0 if shrink is None else shrink.numel()
+    native.find_params(
+        x.data_ptr(), rows, columns, x.stride(0), top, int(sym), (top + 1) / 2,
+        None if shrink is None else shrink.data_ptr(), steps, scale.data_ptr(), zero.data_ptr(),
     )  # fmt: skip
-    return best_scale, best_zero
+    return scale, zero

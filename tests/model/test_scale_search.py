@@ -40,7 +40,14 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
 @pytest.mark.parametrize(
     ("sym", "bits", "mse", "width"),
-    [(False, 4, 2.0, 32), (True, 4, 2.0, 32), (False, 3, 2.4, 32), (False, 4, 2.0, 7)],
+    [
+        (False, 4, 2.0, 32),
+        (True, 4, 2.0, 32),
+        (False, 3, 2.4, 32),
+        (False, 4, 2.0, 7),
+        (False, 4, 0.0, 32),  # no search: the range alone
+        (True, 4, 0.0, 32),
+    ],
 )
 def test_every_group_gets_the_loops_scale_and_zero(
     path: str, sym: bool, bits: int, mse: float, width: int
@@ -49,6 +56,8 @@ def test_every_group_gets_the_loops_scale_and_zero(
     weights = torch.randn(576, 32 * 12, generator=generator) * 0.05
     weights[:, :32] *= 40  # outliers: the search shrinks the range
     weights[3, 32:64] = 0.0  # an all-zero row of a group
+    weights[4, :] = weights[4, :].abs()  # rows of one sign: the range's other end is 0
+    weights[5, :] = -weights[5, :].abs()
     for start in range(0, weights.shape[1], 32):
         group = weights[:, start : start + width]  # a strided view, as in GPTQ's column loop
         loop, ours = _quantizer(sym, bits, mse), _quantizer(sym, bits, mse)
