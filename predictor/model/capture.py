@@ -10,7 +10,9 @@ goes to quantize.log). Within `lean_capture()`:
    forward runs the layer up to its last hooked module, which raises gptqmodel's StopForward
    right after its hook: its output was computed and thrown away (v_proj, o_proj, up_proj,
    down_proj: a fifth of the forwards' matmuls). Its hook now gets its input and an empty
-   output (GPTQ reads only the input) and the forward stops without the product.
+   output (GPTQ reads only the input) and the forward stops without the product. The other
+   hooked modules' hooks get an empty output too: gptqmodel's hook cuts a batch's output into
+   its texts (a boolean-mask gather a text) only to pass each piece to GPTQ, which drops it.
 2. **No product computed twice** (`_Products`). Each subset's forward starts the layer again
    on the same inputs, and so does the replay that makes the next layer's inputs: q/k/v,
    quantized after the first subset, are recomputed on the same input in the forwards for
@@ -81,8 +83,8 @@ def _lean_forward(
                 output = torch.nn.functional.linear(input, self.weight, self.bias)
                 if self.forward_hook is None:  # a hooked module is quantized after this pass
                     products.put(self, input, output)
-            if self.forward_hook is not None:
-                self.forward_hook(self, (input,), output)
+            if self.forward_hook is not None:  # GPTQ reads only the input (item 3)
+                self.forward_hook(self, (input,), input.new_empty(0))
             return output
 
     return forward
