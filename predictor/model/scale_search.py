@@ -20,11 +20,11 @@ choice bit for bit: every element is computed as torch computes it and each row'
 summed in the order of torch's own sum, which the module checks against torch.sum once a
 process before it uses the kernel (elsewhere: the torch version below). Its calls release the
 GIL, so gptqmodel's two solve workers search on both cores beside the calibration forwards.
-The range in C as well (a dozen small torch operations a group before, each taking the GIL
-back): one group of 1536 x 32, two threads at once, 12.0-13.2 ms -> 9.8-10.7 ms (Xeon, AVX2
-held). Measured in `make model` with torch held to AVX2 (Zen 5,
-2 cores, py-spy): the search took 40 s of the solve workers' 74 s in torch; one group of 576 x
-32, 1 thread: 3.7 ms in torch, 0.43 ms in C (load/RESULTS.md).
+Measured in `make model` with torch held to AVX2 (Zen 5, 2 cores, py-spy): the search took 40 s
+of the solve workers' 74 s in torch; one group of 576 x 32, 1 thread: 3.7 ms in torch, 0.43 ms
+in C. The range in C as well (a dozen small torch operations a group before, each taking the
+GIL back): one group of 1536 x 32, two threads at once, 12.0-13.2 ms -> 9.8-10.7 ms (Xeon, AVX2
+held; load/RESULTS.md).
 
 Cases this does not cover (symmetric 2-bit orientation search, group-wise QQQ, trits, a
 search that is not per channel) go to gptqmodel's own method unchanged.
