@@ -22,12 +22,14 @@
    lanes while the columns stream by. */
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #define LANES 8         /* ATen's float vector in its sum, whatever the instruction set */
 #define CHAINS 4        /* row_sum's ilp_factor */
 #define MAX_VECTORS 64  /* below CHAINS * 16 vectors multi_row_sum does not cascade */
 #define MAX_STEPS 256
+#define MAX_THREADS 64
 
 /* The lanes of torch's sum over `cols` columns: vectors of 8, or single columns below 8
    (scalar_inner_sum: the same chains, of scalars). */
@@ -109,21 +111,30 @@ static void search_row(const float *row, int64_t cols, float xmin, float xmax,
    and 0 (NaN where the row holds one, as torch.min and torch.minimum give), for `sym` the
    range made symmetric, an all-zero range widened to [-1, 1]; its scale and zero; then, where
    `steps` > 0, the search above from there. Written to scale[r] and zero[r]. */
-void find_params(const float *x, int64_t rows, int64_t cols, int64_t stride, float maxq,
-                 int32_t sym, float sym_zero, const float *shrink, int64_t steps, float *scale,
-                 float *zero) {
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * stride;
+struct rows {
+    const float *x;
+    int64_t rows, cols, stride;
+    float maxq;
+    int32_t sym;
+    float sym_zero;
+    const float *shrink;
+    int64_t steps;
+    float *scale, *zero;
+};
+
+static void find_rows(const struct rows *p) {
+    for (int64_t r = 0; r < p->rows; r++) {
+        const float *row = p->x + r * p->stride;
         float lo = 0.0f, hi = 0.0f;
         int nan = 0;
-        for (int64_t j = 0; j < cols; j++) {
+        for (int64_t j = 0; j < p->cols; j++) {
             const float v = row[j];
             nan |= v != v;
             lo = v < lo ? v : lo;
             hi = v > hi ? v : hi;
         }
         if (nan) lo = hi = NAN;
-        if (sym) {
+        if (p->sym) {
             const float magnitude = fabsf(lo);
             hi = magnitude > hi ? magnitude : hi;
             if (lo < 0.0f) lo = -hi;
@@ -132,10 +143,40 @@ void find_params(const float *x, int64_t rows, int64_t cols, int64_t stride, flo
             lo = -1.0f;
             hi = 1.0f;
         }
-        scale[r] = (hi - lo) / maxq;
-        zero[r] = sym ? sym_zero : nearbyintf(-lo / scale[r]);
-        if (steps > 0)
-            search_row(row, cols, lo, hi, shrink, steps, maxq, sym, sym_zero, &scale[r],
-                       &zero[r]);
+        p->scale[r] = (hi - lo) / p->maxq;
+        p->zero[r] = p->sym ? p->sym_zero : nearbyintf(-lo / p->scale[r]);
+        if (p->steps > 0)
+            search_row(row, p->cols, lo, hi, p->shrink, p->steps, p->maxq, p->sym, p->sym_zero,
+                       &p->scale[r], &p->zero[r]);
+    }
+}
+
+static void *find_rows_thread(void *part) {
+    find_rows(part);
+    return NULL;
+}
+
+/* Rows are independent: with `threads` > 1 each of that many threads takes a run of them (the
+   same numbers as one thread); a thread that cannot be started leaves its run to this one. */
+void find_params(const float *x, int64_t rows, int64_t cols, int64_t stride, float maxq,
+                 int32_t sym, float sym_zero, const float *shrink, int64_t steps, float *scale,
+                 float *zero, int64_t threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > rows) threads = rows;
+    if (threads < 1) threads = 1;
+    struct rows parts[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int64_t t = 0; t < threads; t++) {
+        const int64_t first = rows * t / threads, last = rows * (t + 1) / threads;
+        parts[t] = (struct rows){x + first * stride, last - first, cols, stride, maxq, sym,
+                                 sym_zero, shrink, steps, scale + first, zero + first};
+    }
+    for (int64_t t = 1; t < threads; t++)
+        started[t] = pthread_create(&ids[t], NULL, find_rows_thread, &parts[t]) == 0;
+    find_rows(&parts[0]);
+    for (int64_t t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(ids[t], NULL);
+        else find_rows(&parts[t]);
     }
 }

@@ -36,6 +36,8 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("scale_search.c")
 # No fused multiply-add and no reordered float arithmetic: each element as torch computes it.
-FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-pthread"]
 MAX_NATIVE_STEPS = 256  # scale_search.c: MAX_STEPS
 
 # Candidates x rows x columns per chunk: each temporary (1 MiB fp32) stays in a core's L2 cache;
@@ -195,7 +197,7 @@ def _native_search() -> NativeSearch | None:
     find, sums, widest = library.find_params, library.row_sums, library.max_columns
     find.restype, sums.restype, widest.restype = None, None, integer
     find.argtypes = [pointer, integer, integer, integer, ctypes.c_float, ctypes.c_int32]
-    find.argtypes += [ctypes.c_float, pointer, integer, pointer, pointer]
+    find.argtypes += [ctypes.c_float, pointer, integer, pointer, pointer, integer]
     sums.argtypes = [pointer, integer, integer, pointer]
     native = NativeSearch(find, int(widest()))
     if not _sums_as_torch_does(sums, native.max_columns):
@@ -233,6 +235,7 @@ def _find_native(
     shrink: torch.Tensor | None,  # the candidates (fp32, CPU); None: no search
     maxq: torch.Tensor,
     sym: bool,
+    threads: int | None = None,  # None: every core while no other search runs, else one
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole of `_find_params` for one group in C, one call: the range, its scale and
     zero and, with `shrink`, the search for power 2 (`_search`'s candidates, sums and rule).
@@ -242,8 +245,38 @@ def _find_native(
     scale, zero = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
     top = float(maxq.item())
     steps = 0 if shrink is None else shrink.numel()
-    native.find_params(
-        x.data_ptr(), rows, columns, x.stride(0), top, int(sym), (top + 1) / 2,
-        None if shrink is None else shrink.data_ptr(), steps, scale.data_ptr(), zero.data_ptr(),
-    )  # fmt: skip
+    with _IN_FLIGHT.running() as alone:
+        if threads is None:
+            threads = len(os.sched_getaffinity(0)) if alone else 1
+        native.find_params(
+            x.data_ptr(), rows, columns, x.stride(0), top, int(sym), (top + 1) / 2,
+            None if shrink is None else shrink.data_ptr(), steps, scale.data_ptr(),
+            zero.data_ptr(), threads,
+        )  # fmt: skip
     return scale, zero
+
+
+class _Searches:
+    """How many C searches run now. gptqmodel's two solve workers search at once while both
+    solve a module (q beside k and v, gate beside up); o_proj and down_proj are solved alone,
+    the other worker idle and the main thread waiting, and a search then splits its rows over
+    every core (the same numbers: each row's search is its own)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[bool]:
+        """Within the block this search counts; it yields whether it was the only one."""
+        with self._lock:
+            self._count += 1
+            alone = self._count == 1
+        try:
+            yield alone
+        finally:
+            with self._lock:
+                self._count -= 1
+
+
+_IN_FLIGHT = _Searches()

@@ -92,6 +92,32 @@ def test_the_kernel_sums_as_torch_does_or_is_not_used(monkeypatch: pytest.Monkey
         scale_search._native_search.cache_clear()
 
 
+@needs_compiler
+def test_a_search_split_over_threads_is_the_search_of_one() -> None:
+    native = scale_search._native_search()
+    assert native is not None
+    quantizer = _quantizer()
+    shrink = scale_search._shrinks(quantizer, torch.float32, torch.device("cpu"))
+    maxq = quantizer.maxq  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(3)
+    weights = torch.randn(1537, 96, generator=generator) * 0.05  # rows not a multiple of 2, 3
+    for group, candidates in ((weights[:, 32:64], shrink), (weights[:2, :32], None)):
+        one = scale_search._find_native(native, group, candidates, maxq, False, threads=1)
+        for threads in (2, 3, 8):  # 8 threads for 2 rows: 2 threads
+            split = scale_search._find_native(native, group, candidates, maxq, False, threads)
+            assert torch.equal(one[0], split[0]) and torch.equal(one[1], split[1])
+
+
+def test_a_search_runs_on_every_core_only_while_it_is_the_only_one() -> None:
+    searches = scale_search._Searches()
+    with searches.running() as alone:
+        assert alone
+        with searches.running() as second:  # the other solve worker's, at the same time
+            assert not second
+    with searches.running() as alone:
+        assert alone
+
+
 def test_the_search_is_gptqmodels_own_again_after_the_block() -> None:
     from gptqmodel.quantization.quantizer import Quantizer
 
