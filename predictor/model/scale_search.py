@@ -24,7 +24,8 @@ Measured in `make model` with torch held to AVX2 (Zen 5, 2 cores, py-spy): the s
 of the solve workers' 74 s in torch; one group of 576 x 32, 1 thread: 3.7 ms in torch, 0.43 ms
 in C. The range in C as well (a dozen small torch operations a group before, each taking the
 GIL back): one group of 1536 x 32, two threads at once, 12.0-13.2 ms -> 9.8-10.7 ms (Xeon, AVX2
-held; load/RESULTS.md).
+held). A search that runs alone (o_proj's, down_proj's) splits its rows over the build's
+threads: 7.4 -> 3.8 ms for that group on 2 (load/RESULTS.md).
 
 Cases this does not cover (symmetric 2-bit orientation search, group-wise QQQ, trits, a
 search that is not per channel) go to gptqmodel's own method unchanged.
@@ -36,7 +37,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -235,7 +235,7 @@ def _find_native(
     shrink: torch.Tensor | None,  # the candidates (fp32, CPU); None: no search
     maxq: torch.Tensor,
     sym: bool,
-    threads: int | None = None,  # None: every core while no other search runs, else one
+    threads: int | None = None,  # None: torch's threads while no other search runs, else one
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole of `_find_params` for one group in C, one call: the range, its scale and
     zero and, with `shrink`, the search for power 2 (`_search`'s candidates, sums and rule).
@@ -247,7 +247,7 @@ def _find_native(
     steps = 0 if shrink is None else shrink.numel()
     with _IN_FLIGHT.running() as alone:
         if threads is None:
-            threads = len(os.sched_getaffinity(0)) if alone else 1
+            threads = torch.get_num_threads() if alone else 1
         native.find_params(
             x.data_ptr(), rows, columns, x.stride(0), top, int(sym), (top + 1) / 2,
             None if shrink is None else shrink.data_ptr(), steps, scale.data_ptr(),
@@ -260,7 +260,7 @@ class _Searches:
     """How many C searches run now. gptqmodel's two solve workers search at once while both
     solve a module (q beside k and v, gate beside up); o_proj and down_proj are solved alone,
     the other worker idle and the main thread waiting, and a search then splits its rows over
-    every core (the same numbers: each row's search is its own)."""
+    the build's threads (torch's: `--threads`; the same numbers, each row's search its own)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
