@@ -246,8 +246,8 @@ def _find_native(
     top = float(maxq.item())
     steps = 0 if shrink is None else shrink.numel()
     with _IN_FLIGHT.running() as alone:
-        if threads is None:
-            threads = torch.get_num_threads() if alone else 1
+        if threads is None:  # a range without a search takes microseconds: one thread
+            threads = torch.get_num_threads() if alone and steps else 1
         native.find_params(
             x.data_ptr(), rows, columns, x.stride(0), top, int(sym), (top + 1) / 2,
             None if shrink is None else shrink.data_ptr(), steps, scale.data_ptr(),
@@ -257,10 +257,12 @@ def _find_native(
 
 
 class _Searches:
-    """How many C searches run now. gptqmodel's two solve workers search at once while both
-    solve a module (q beside k and v, gate beside up); o_proj and down_proj are solved alone,
-    the other worker idle and the main thread waiting, and a search then splits its rows over
-    the build's threads (torch's: `--threads`; the same numbers, each row's search its own)."""
+    """How many C searches run now. gptqmodel's two solve workers both search while both solve
+    a module (q beside k and v, gate beside up); o_proj and down_proj are solved alone, the
+    other worker idle and the main thread waiting, and a search then splits its rows over the
+    build's threads (torch's: `--threads`; the same numbers, each row's search its own). A
+    search that starts while the other worker is between two of its own takes them too: for its
+    few milliseconds three threads share two cores."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
