@@ -107,10 +107,7 @@ static void search_row(const float *row, int64_t cols, float xmin, float xmax,
     }
 }
 
-/* gptqmodel's Quantizer.find_params for a group, per row r: the range [xmin, xmax] of the row
-   and 0 (NaN where the row holds one, as torch.min and torch.minimum give), for `sym` the
-   range made symmetric, an all-zero range widened to [-1, 1]; its scale and zero; then, where
-   `steps` > 0, the search above from there. Written to scale[r] and zero[r]. */
+/* A run of a group's rows and where their results go. */
 struct rows {
     const float *x;
     int64_t rows, cols, stride;
@@ -122,6 +119,10 @@ struct rows {
     float *scale, *zero;
 };
 
+/* gptqmodel's Quantizer.find_params for a group, per row r: the range [xmin, xmax] of the row
+   and 0 (NaN where the row holds one, as torch.min and torch.minimum give), for `sym` the
+   range made symmetric, an all-zero range widened to [-1, 1]; its scale and zero; then, where
+   `steps` > 0, the search above from there. Written to scale[r] and zero[r]. */
 static void find_rows(const struct rows *p) {
     for (int64_t r = 0; r < p->rows; r++) {
         const float *row = p->x + r * p->stride;
