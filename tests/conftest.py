@@ -18,6 +18,7 @@ prepare_environment(os.environ, Path(tempfile.gettempdir()) / "gptq-predictor-hf
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 from tests.support import (  # noqa: E402
+    LOG_FOLDER_VARIABLE,
     TUNE_CACHE_VARIABLE,
     ServerProcess,
     build_tiny_dense,
@@ -51,10 +52,12 @@ def _run_folder(config: pytest.Config) -> Path:
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The run's servers and in-process runners (tests.support.tune_cache) keep their kernel
     choices and compiled matmuls in one folder of the run's: measured or compiled once for all
-    of the run's processes, and nothing read from or left in the user's cache. A
+    of the run's processes, and nothing read from or left in the user's cache; the servers'
+    logs go to another, which pytest prunes with the run's folder. A
     pytest-xdist worker (`make test`) then starts its fork server: it imports the servers'
     modules (seconds) while the session's tiny models are built, before the first server."""
     os.environ[TUNE_CACHE_VARIABLE] = str(_run_folder(session.config) / "autotune")
+    os.environ[LOG_FOLDER_VARIABLE] = str(_run_folder(session.config) / "logs")
     if getattr(session.config, "workerinput", None) is not None:
         fork_server()
 

@@ -36,6 +36,9 @@ def worker_cores() -> int:
 # --autotune-cache as the environment gives it (predictor/config.py): tests/conftest.py points
 # it at a folder of the run's, for the run's servers and (tune_cache) in-process runners
 TUNE_CACHE_VARIABLE = "PREDICTOR_AUTOTUNE_CACHE"
+# where the servers' logs go: tests/conftest.py points it at a folder of the run's, which pytest
+# prunes (the system's temp folder otherwise: each run left about fifteen logs there)
+LOG_FOLDER_VARIABLE = "PREDICTOR_TEST_LOGS"
 
 
 def tune_cache() -> Path | None:
@@ -282,7 +285,10 @@ def _launcher() -> tuple[Launch, Path]:
     """How this test process starts `python -m predictor` (through its fork server where there
     is one, else a new interpreter), and a new log file for the start."""
     forks = fork_server()
-    log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log")[1])
+    folder = os.environ.get(LOG_FOLDER_VARIABLE) or None
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    log_path = Path(tempfile.mkstemp(prefix="predictor-", suffix=".log", dir=folder)[1])
     return (forks.launch if forks is not None else popen), log_path
 
 

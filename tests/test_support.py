@@ -129,11 +129,16 @@ def test_a_forked_predictor_gets_its_arguments_environment_and_log(
     assert "PREDICTOR_MAX_BATCH_SIZE='not-a-number'" in (tmp_path / "e").read_text()
 
 
-def test_a_forked_server_serves_and_its_signalled_end_is_reported(tiny_gptq_dir: Path) -> None:
+def test_a_forked_server_serves_and_its_signalled_end_is_reported(
+    tiny_gptq_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     if fork_server() is None:
         pytest.skip("PREDICTOR_TEST_FORK=0: servers are new interpreters")
     with ServerProcess.start(tiny_gptq_dir, "tiny") as srv:
         assert isinstance(srv.process, ForkedProcess)  # `make test`'s servers are forked
+        # its log is in the run's folder, which pytest prunes, not in the system's temp folder
+        assert srv.log_path.parent.name == "logs" and srv.log().strip()
+        assert tmp_path_factory.getbasetemp().parent in srv.log_path.parents
         ready = httpx.get(f"{srv.base_url}/v2/health/ready", timeout=10)
         assert ready.status_code == 200
         assert srv.process.poll() is None
