@@ -46,7 +46,7 @@ MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `mak
 TYPICAL_MINUTES = (
     "measured in fresh clones on 2 cores with torch held to AVX2 (fp32 forwards): an AMD EPYC"
     " Zen 5 about 1 min, an Intel Xeon (family 6 model 167) 2-3 min; an AVX2-only Zen 1 about"
-    " 4 min, estimated from the issue's old build, timed there and on the Xeon beside this one"
+    " 2.5-4 min, estimated from the issue's old build, timed there and on the Xeon beside this one"
 )
 
 
