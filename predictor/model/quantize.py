@@ -42,11 +42,11 @@ QUALITY_QUESTION = "What is the capital of France?"
 QUALITY_ANSWER = "Paris"
 QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
 MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
-# What the GPTQ phase takes, measured (load/RESULTS.md: "make model profile", "Fourteenth session").
+# What the GPTQ phase takes, measured (load/RESULTS.md: "make model profile", "Nineteenth session").
 TYPICAL_MINUTES = (
-    "measured in fresh clones on 2 cores with torch held to AVX2 (fp32 forwards): an AMD EPYC"
-    " Zen 5 about 1 min, an Intel Xeon (family 6 model 167) 2-3 min; an AVX2-only Zen 1 about"
-    " 2.5-4 min, estimated from the issue's old build, timed there and on the Xeon beside this one"
+    "measured in fresh clones on 2 cores (fp32 forwards): an AVX2-only AMD EPYC Zen 1 1:41-1:44,"
+    " an AMD EPYC Zen 5 held to AVX2 about 1 min, an Intel Xeon (family 6 model 167) held to AVX2"
+    " 1:40-2:10"
 )
 
 
