@@ -46,7 +46,7 @@ MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `mak
 TYPICAL_MINUTES = (
     "measured in fresh clones on 2 cores (fp32 forwards): an AVX2-only AMD EPYC Zen 1 1:41-1:44,"
     " an AMD EPYC Zen 5 held to AVX2 about 1 min, an Intel Xeon (family 6 model 167) held to AVX2"
-    " 1:40-2:10"
+    " 1:38-2:10"
 )
 
 
