@@ -6,13 +6,20 @@ row: the sampler asks it for the allowed-token bitmask (`fill`) in the batched s
 the step loop feeds it each accepted token (`accept`) and ends the row once it is `finished`.
 Rows without a grammar never meet this module.
 
-A JSON schema keyword outside `SCHEMA_KEYWORDS`, a regex or EBNF grammar xgrammar cannot
-compile: `InvalidRequest` naming the request's key, never unconstrained text.
+A JSON schema keyword outside `SCHEMA_KEYWORDS`, one xgrammar would drop where it stands
+(`check_schema`), a regex or EBNF grammar xgrammar cannot compile: `InvalidRequest` naming the
+request's key, never unconstrained text.
+
+xgrammar 0.2.9 writes a string with `minLength`/`maxLength` as a bounded repeat of `[^"\\\r\n]`:
+raw control characters pass (JSON forbids them unescaped, RFC 8259 section 7, so the answer
+would not parse) and no escape can be written (mlc-ai/xgrammar#800, open). `_mend_strings`
+rewrites each such rule to one JSON character: an unescaped one or an escape.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
@@ -36,39 +43,93 @@ SCHEMA_KEYWORDS = frozenset(
 )  # fmt: skip
 _DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 _NAMED = frozenset({"properties", "$defs", "definitions"})  # name -> schema maps
+# A schema with one of these is that branch alone: xgrammar drops any constraint beside it.
+_BRANCHES = ("$ref", "const", "enum", "anyOf")
+# Constraints xgrammar enforces only on a schema with a `type`, or whose keywords make it an
+# object or an array (`_SHAPES`); on any other it writes any JSON value and drops them.
+_SCALAR = frozenset(
+    {
+        "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
+        "exclusiveMaximum", "minItems", "maxItems",
+    }
+)  # fmt: skip
+_SHAPES = frozenset({"properties", "additionalProperties", "items", "prefixItems"})
+_CONSTRAINTS = _SCALAR | _SHAPES | {"required"}
 MAX_GRAMMAR_CHARS = 64 * 1024
 
 
-def _keywords(schema: Any, path: str) -> Iterator[tuple[str, str]]:
-    """(keyword, where) for every keyword of a JSON schema, sub-schemas included."""
+def _subschemas(schema: Any, path: str) -> Iterator[tuple[dict[str, Any], str]]:
+    """(schema, where) for a JSON schema and every schema inside it."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            yield from _keywords(item, f"{path}[{i}]")
+            yield from _subschemas(item, f"{path}[{i}]")
         return
     if not isinstance(schema, dict):
         return
+    yield schema, path
     for key, value in schema.items():
-        yield key, path
         if key in _DATA:
             continue
         if key in _NAMED and isinstance(value, dict):
             for name, sub in value.items():
-                yield from _keywords(sub, f"{path}/{key}/{name}")
+                yield from _subschemas(sub, f"{path}/{key}/{name}")
         elif isinstance(value, dict | list):
-            yield from _keywords(value, f"{path}/{key}")
+            yield from _subschemas(value, f"{path}/{key}")
+
+
+def _dropped(schema: dict[str, Any]) -> str | None:
+    """Why xgrammar would not enforce one of this schema's own keywords, if it would not."""
+    branches = [k for k in _BRANCHES if k in schema]
+    beside = sorted(_CONSTRAINTS & set(schema))
+    if branches and (len(branches) > 1 or beside):
+        other = branches[1] if len(branches) > 1 else beside[0]
+        return f"'{other}' beside '{branches[0]}' is not enforced (put it inside the branch)"
+    if "pattern" in schema and ({"minLength", "maxLength"} & set(schema)):
+        return "'pattern' with 'minLength'/'maxLength' is not enforced (fold the length into it)"
+    required, properties = schema.get("required"), schema.get("properties")
+    listed = properties if isinstance(properties, dict) else {}
+    unlisted = [n for n in required if n not in listed] if isinstance(required, list) else []
+    if unlisted:
+        return f"required property '{unlisted[0]}' is not in 'properties', so is not enforced"
+    untyped = sorted(_SCALAR & set(schema))
+    if "type" not in schema and not branches and untyped and not _SHAPES & set(schema):
+        return f"'{untyped[0]}' needs a 'type' beside it to be enforced"
+    return None
 
 
 def check_schema(schema: Any, param: str) -> None:
     """Refuse a JSON schema with a keyword the library would not enforce."""
     if not isinstance(schema, dict | bool):
         raise InvalidRequest(f"'{param}': a JSON schema must be an object", param=param)
-    for key, where in _keywords(schema, "#"):
-        if key not in SCHEMA_KEYWORDS:
-            raise InvalidRequest(
-                f"'{param}': JSON schema keyword '{key}' (at {where}) is not supported by this "
-                "server's constrained decoding",
-                param=param,
-            )
+    for sub, where in _subschemas(schema, "#"):
+        for key in sub:
+            if key not in SCHEMA_KEYWORDS:
+                raise InvalidRequest(
+                    f"'{param}': JSON schema keyword '{key}' (at {where}) is not supported by "
+                    "this server's constrained decoding",
+                    param=param,
+                )
+        why = _dropped(sub)
+        if why:
+            raise InvalidRequest(f"'{param}': at {where}, {why}", param=param)
+
+
+# A length-bounded string's character as xgrammar 0.2.9 prints it, and what it should be.
+_BOUNDED_CHARACTER = re.compile(r'^(\S+) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.MULTILINE)
+_JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" json_character_escape))'
+_JSON_ESCAPE = (
+    r'json_character_escape ::= ([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] '
+    r"[A-Fa-f0-9])"
+)
+
+
+def _mend_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """The grammar with every length-bounded string character a JSON character."""
+    text = str(grammar)
+    mended, count = _BOUNDED_CHARACTER.subn(lambda m: f"{m[1]} ::= {_JSON_CHARACTER}", text)
+    if not count:
+        return grammar
+    return xgr.Grammar.from_ebnf(f"{mended}\n{_JSON_ESCAPE}\n")
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -127,9 +188,10 @@ class Grammars:
                 )
             if grammar.kind == "json_schema":
                 check_schema(json.loads(grammar.text), param)
-                return self._compiler.compile_json_schema(
+                schema = xgr.Grammar.from_json_schema(
                     grammar.text, any_whitespace=False, strict_mode=True
                 )
+                return self._compiler.compile_grammar(_mend_strings(schema))
             if grammar.kind == "regex":
                 return self._compiler.compile_regex(grammar.text)
             if grammar.kind == "choice":
@@ -139,7 +201,8 @@ class Grammars:
             if grammar.kind == "structural_tag":  # tool calls (engine/tool_calls.py)
                 for schema in tool_calls.schemas(json.loads(grammar.text)):
                     check_schema(schema, param)
-                return self._compiler.compile_structural_tag(grammar.text)
+                tags = xgr.Grammar.from_structural_tag(grammar.text)
+                return self._compiler.compile_grammar(_mend_strings(tags))
         except InvalidRequest:
             raise
         except Exception as exc:  # xgrammar's parse errors say what is wrong: pass it on

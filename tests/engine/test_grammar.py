@@ -9,9 +9,12 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
+import xgrammar as xgr
 
+from predictor.engine import tool_calls
 from predictor.engine.client import complete
-from predictor.engine.grammar import check_schema
+from predictor.engine.grammar import Grammars, check_schema
 from predictor.errors import InvalidRequest
 from predictor.types import FinishReason, GenerateRequest, Grammar, SamplingParams
 from tests.engine.conftest import Tiny, new_loop
@@ -150,7 +153,9 @@ async def test_what_cannot_be_enforced_is_refused(
 
 
 def test_schema_keywords_inside_data_are_not_keywords() -> None:
-    check_schema({"enum": [{"format": 1}], "properties": {"format": {"type": "string"}}}, "p")
+    check_schema(
+        {"properties": {"format": {"type": "string"}, "e": {"enum": [{"format": 1}]}}}, "p"
+    )
     with pytest.raises(InvalidRequest, match="'not'"):
         check_schema({"properties": {"a": {"not": {}}}}, "p")
 
@@ -169,3 +174,78 @@ async def test_a_cancelled_grammar_row_frees_its_place(tiny_dense: Tiny) -> None
         assert engine.running() == 0
         out = await complete(engine.generate(GenerateRequest("d", "x", schema_params(SCHEMAS[1]))))
         jsonschema.validate(json.loads(out.text), SCHEMAS[1])
+
+
+# -- length-bounded strings: JSON characters only (xgrammar 0.2.9's own rule admits raw
+# control characters and no escapes, mlc-ai/xgrammar#800) ------------------------------------
+
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+           "required": ["city"], "additionalProperties": False}  # fmt: skip
+CONTROL = re.compile("[\x00-\x1f]")
+
+
+def allowed_after(grammars: Grammars, grammar: Grammar, text: str, tiny: Tiny) -> list[str]:
+    """The texts of the tokens the grammar allows once `text` is written."""
+    matcher = xgr.GrammarMatcher(grammars.compile(grammar))
+    assert matcher.accept_string(text)
+    bitmask = xgr.allocate_token_bitmask(1, grammars.vocab_size)
+    matcher.fill_next_token_bitmask(bitmask)
+    bits = (bitmask[0].unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+    ids = bits.flatten()[: grammars.vocab_size].nonzero().flatten().tolist()
+    return [tiny.tokenizer.decode([i]) for i in ids]
+
+
+@pytest.mark.parametrize("path", ["json_schema", "structural_tag"])
+def test_a_bounded_string_takes_json_characters_only(tiny_dense: Tiny, path: str) -> None:
+    grammars = Grammars(tiny_dense.tokenizer, tiny_dense.eos_ids)
+    if path == "json_schema":
+        grammar, head = Grammar(path, json.dumps(BOUNDED), "response_format"), '{"city": "Pa'
+    else:
+        tag = tool_calls.structural_tag([{"name": "w", "parameters": BOUNDED}], "required", False)
+        grammar, head = Grammar(path, tag, "tools"), '<tool_call>\n{"name": "w", "arguments": '
+        head += '{"city": "Pa'
+    vocab = [tiny_dense.tokenizer.decode([i]) for i in range(grammars.vocab_size)]
+    assert sum(bool(CONTROL.search(t)) for t in vocab) > 10  # the mask has them to refuse
+    allowed = allowed_after(grammars, grammar, head, tiny_dense)
+    assert "ris" in allowed or "r" in allowed
+    assert not [t for t in allowed if CONTROL.search(t)]  # a raw tab would not parse
+    assert "\\" in allowed  # escapes can be written, and count as one character each
+    matcher = xgr.GrammarMatcher(grammars.compile(grammar))
+    assert matcher.accept_string(head[: -len("Pa")] + 'a\\"b\\n\\u00e9\\\\12"}')  # 8 characters
+    matcher = xgr.GrammarMatcher(grammars.compile(grammar))
+    assert not matcher.accept_string(head[: -len("Pa")] + 'a\\"b\\n\\u00e9\\\\123"')  # 9
+
+
+@pytest.mark.parametrize(
+    ("schema", "needle"),
+    [
+        ({"type": "string", "enum": ["ab", "abc"], "maxLength": 2}, "'maxLength' beside 'enum'"),
+        ({"anyOf": [{"type": "integer"}], "minimum": 3}, "'minimum' beside 'anyOf'"),
+        ({"$ref": "#/$defs/a", "const": 1, "$defs": {"a": {}}}, "'const' beside '$ref'"),
+        ({"type": "string", "pattern": "^a+$", "maxLength": 3}, "'pattern' with"),
+        ({"type": "object", "required": ["a"]}, "required property 'a'"),
+        ({"properties": {"b": {}}, "required": ["b", "a"]}, "required property 'a'"),
+        ({"maxLength": 3}, "'maxLength' needs a 'type'"),
+        ({"minimum": 0, "maximum": 9}, "'maximum' needs a 'type'"),
+        ({"properties": {"p": {"maxItems": 1}}}, "at #/properties/p, 'maxItems' needs"),
+    ],
+)
+def test_what_xgrammar_would_drop_is_refused(schema: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(needle)) as caught:
+        check_schema(schema, "response_format")
+    assert caught.value.param == "response_format"
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": ["string", "null"], "pattern": "^a$"},
+        {"type": ["integer", "string"], "maxLength": 2, "minimum": 5},
+        {"items": {"type": "integer"}, "maxItems": 1},  # an array by its items
+        {"properties": {"a": {}}, "required": ["a"], "minimum": 3},  # an object: no minimum
+        {"type": "string", "enum": ["a", "b"], "description": "annotations beside a branch"},
+        {"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "title": "t"},
+    ],
+)
+def test_what_xgrammar_enforces_is_taken(schema: dict[str, Any]) -> None:
+    check_schema(schema, "response_format")
