@@ -237,15 +237,21 @@ def test_what_xgrammar_would_drop_is_refused(schema: dict[str, Any], needle: str
 
 
 @pytest.mark.parametrize(
-    "schema",
+    ("schema", "fits", "breaks"),
     [
-        {"type": ["string", "null"], "pattern": "^a$"},
-        {"type": ["integer", "string"], "maxLength": 2, "minimum": 5},
-        {"items": {"type": "integer"}, "maxItems": 1},  # an array by its items
-        {"properties": {"a": {}}, "required": ["a"], "minimum": 3},  # an object: no minimum
-        {"type": "string", "enum": ["a", "b"], "description": "annotations beside a branch"},
-        {"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "title": "t"},
+        ({"type": ["string", "null"], "pattern": "^a$"}, "null", '"b"'),
+        ({"type": ["integer", "string"], "maxLength": 2, "minimum": 5}, "7", '"abc"'),
+        ({"items": {"type": "integer"}, "maxItems": 1}, "[1]", "[1, 2]"),  # an array by items
+        ({"properties": {"a": {}}, "required": ["a"], "minimum": 3}, '{"a": 1}', "{}"),
+        ({"type": "string", "enum": ["a", "b"], "description": "beside a branch"}, '"a"', '"c"'),
+        ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "title": "t"}, "3", '"x"'),
     ],
 )
-def test_what_xgrammar_enforces_is_taken(schema: dict[str, Any]) -> None:
+def test_what_xgrammar_enforces_is_taken_and_enforced(
+    tiny_dense: Tiny, schema: dict[str, Any], fits: str, breaks: str
+) -> None:
     check_schema(schema, "response_format")
+    grammars = Grammars(tiny_dense.tokenizer, tiny_dense.eos_ids)
+    compiled = grammars.compile(Grammar("json_schema", json.dumps(schema), "response_format"))
+    assert xgr.GrammarMatcher(compiled).accept_string(fits)
+    assert not xgr.GrammarMatcher(compiled).accept_string(breaks)
