@@ -79,20 +79,21 @@ def _subschemas(schema: Any, path: str) -> Iterator[tuple[dict[str, Any], str]]:
 
 def _dropped(schema: dict[str, Any]) -> str | None:
     """Why xgrammar would not enforce one of this schema's own keywords, if it would not."""
-    branches = [k for k in _BRANCHES if k in schema]
-    beside = sorted(_CONSTRAINTS & set(schema))
+    keys = set(schema)
+    branches = [k for k in _BRANCHES if k in keys]
+    beside = sorted(_CONSTRAINTS & keys)
     if branches and (len(branches) > 1 or beside):
         other = branches[1] if len(branches) > 1 else beside[0]
         return f"'{other}' beside '{branches[0]}' is not enforced (put it inside the branch)"
-    if "pattern" in schema and ({"minLength", "maxLength"} & set(schema)):
+    if "pattern" in keys and {"minLength", "maxLength"} & keys:
         return "'pattern' with 'minLength'/'maxLength' is not enforced (fold the length into it)"
     required, properties = schema.get("required"), schema.get("properties")
     listed = properties if isinstance(properties, dict) else {}
     unlisted = [n for n in required if n not in listed] if isinstance(required, list) else []
     if unlisted:
         return f"required property '{unlisted[0]}' is not in 'properties', so is not enforced"
-    untyped = sorted(_SCALAR & set(schema))
-    if "type" not in schema and not branches and untyped and not _SHAPES & set(schema):
+    untyped = sorted(_SCALAR & keys)
+    if "type" not in keys and not branches and untyped and not _SHAPES & keys:
         return f"'{untyped[0]}' needs a 'type' beside it to be enforced"
     return None
 

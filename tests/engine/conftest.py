@@ -12,6 +12,7 @@ import torch
 
 from predictor.engine.batch import Sequence
 from predictor.engine.detokenizer import IncrementalDetokenizer
+from predictor.engine.grammar import Grammars
 from predictor.engine.kv_cache import BlockAllocator
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.scheduler import Scheduler
@@ -42,6 +43,11 @@ def tiny_dense(tiny_dense_dir: Path) -> Tiny:
     model = AutoModelForCausalLM.from_pretrained(tiny_dense_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_dense_dir)
     return Tiny(model, tokenizer, frozenset({tokenizer.eos_token_id}), tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def grammars(tiny_dense: Tiny) -> Grammars:
+    return Grammars(tiny_dense.tokenizer, tiny_dense.eos_ids)
 
 
 @pytest.fixture(scope="session")

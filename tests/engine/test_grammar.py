@@ -196,8 +196,9 @@ def allowed_after(grammars: Grammars, grammar: Grammar, text: str, tiny: Tiny) -
 
 
 @pytest.mark.parametrize("path", ["json_schema", "structural_tag"])
-def test_a_bounded_string_takes_json_characters_only(tiny_dense: Tiny, path: str) -> None:
-    grammars = Grammars(tiny_dense.tokenizer, tiny_dense.eos_ids)
+def test_a_bounded_string_takes_json_characters_only(
+    grammars: Grammars, tiny_dense: Tiny, path: str
+) -> None:
     if path == "json_schema":
         grammar, head = Grammar(path, json.dumps(BOUNDED), "response_format"), '{"city": "Pa'
     else:
@@ -248,10 +249,9 @@ def test_what_xgrammar_would_drop_is_refused(schema: dict[str, Any], needle: str
     ],
 )
 def test_what_xgrammar_enforces_is_taken_and_enforced(
-    tiny_dense: Tiny, schema: dict[str, Any], fits: str, breaks: str
+    grammars: Grammars, schema: dict[str, Any], fits: str, breaks: str
 ) -> None:
     check_schema(schema, "response_format")
-    grammars = Grammars(tiny_dense.tokenizer, tiny_dense.eos_ids)
     compiled = grammars.compile(Grammar("json_schema", json.dumps(schema), "response_format"))
     assert xgr.GrammarMatcher(compiled).accept_string(fits)
     assert not xgr.GrammarMatcher(compiled).accept_string(breaks)

@@ -130,11 +130,6 @@ def test_native_means_the_template_renders_tools_in_this_format() -> None:
     assert tool_calls.native("{% if tools %}<tools>{{ tools }}</tools> <tool_call>{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def grammars(tiny_dense: Tiny) -> Grammars:
-    return Grammars(tiny_dense.tokenizer, tiny_dense.eos_ids)
-
-
 def accepts(grammars: Grammars, grammar: str, text: str, tiny: Tiny) -> bool:
     matcher = grammars.matcher(grammars.compile(Grammar("structural_tag", grammar, "tools")))
     ids = tiny.tokenizer.encode(text, add_special_tokens=False)
