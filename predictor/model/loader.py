@@ -12,6 +12,7 @@ import torch
 
 from predictor.config import FUSED_KERNELS, KERNELS
 from predictor.errors import CheckpointError
+from predictor.model.gptq import GPTQLinear, load_gptq_model
 
 log = logging.getLogger(__name__)
 
@@ -59,43 +60,52 @@ def pick_device(name: str) -> torch.device:
 
 
 def load_checkpoint(
-    path: Path, device: str = "auto", threads: int = 1, kernel: str = "auto"
+    path: Path,
+    device: str = "auto",
+    threads: int = 1,
+    kernel: str = "auto",
+    dtype: torch.dtype | None = None,
 ) -> LoadedModel:
-    """Load a GPTQ checkpoint through transformers + optimum + gptqmodel.
+    """Load a GPTQ checkpoint with its tokenizer.
 
-    `kernel`: "auto" (gptqmodel's choice), a gptqmodel backend name (its Linear kernel), or
-    "dequantized": the 4-bit weights expanded once, here, into plain nn.Linear modules of the
-    model's dtype (the same numbers, 4x the weight memory, the dense matmul of the platform).
+    On a CPU, through transformers + optimum + gptqmodel: `kernel` "auto" (gptqmodel's choice)
+    or a gptqmodel backend name (its Linear kernel). On a GPU, and for "dequantized" anywhere,
+    the checkpoint is read by model/gptq.py (no gptqmodel): each GPTQ Linear a GPTQLinear, whose
+    tensors the GPU runner's own kernels serve, or, for "dequantized", expanded once into a plain
+    nn.Linear (the same numbers, 4x the weight memory, the platform's dense matmul).
+    `dtype`: of the plain tensors on that path (default: bf16 on a GPU, the checkpoint's own
+    on a CPU).
     """
     if kernel not in KERNELS:
         raise CheckpointError(f"unknown kernel {kernel!r} (choose one of {', '.join(KERNELS)})")
     quant = check_checkpoint(path)
     torch.set_num_threads(threads)
     target = pick_device(device)
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GPTQConfig
+    if target.type == "cuda" and kernel not in ("auto", "dequantized"):
+        raise CheckpointError(
+            f"kernel {kernel} is a CPU kernel: on a GPU the runner measures its own (auto)"
+        )
+    from transformers import AutoTokenizer
 
-    # "dequantized" reads the packed weights through gptqmodel's portable torch kernel
-    # the runner's fused kernels all start from TorchAtenLinear's packed weights
-    backend = {"auto": None, "dequantized": "gptq_torch"}.get(kernel, kernel)
-    if kernel in FUSED_KERNELS:
-        backend = "gptq_torch_aten"
-    options: dict[str, Any] = {}
-    if backend is not None:  # only the backend is taken from here; the rest from config.json
-        options["quantization_config"] = GPTQConfig(bits=int(quant["bits"]), backend=backend)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            device_map=str(target) if target.type == "cpu" else {"": target.index or 0},
-            **options,
-        )
+        if target.type == "cuda" or kernel == "dequantized":
+            if dtype is None:
+                dtype = torch.bfloat16 if target.type == "cuda" else _checkpoint_dtype(path)
+            model = load_gptq_model(path, quant, target, dtype)
+        else:
+            model = _load_with_gptqmodel(path, quant, target, kernel)
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"{path} could not be loaded as a GPTQ model with kernel {kernel}: {exc}"
         ) from exc
     model.eval()
+    name = _kernel_name(model)
     if kernel == "dequantized":
         dequantize_linears(model)
+        name = "Linear (dequantized)"
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -103,52 +113,57 @@ def load_checkpoint(
         eos_ids=_eos_ids(model, tokenizer),
         pad_token_id=_pad_id(tokenizer),
         context_length=int(getattr(model.config, "max_position_embeddings", 2048)),
-        kernel=_kernel_name(model) if kernel != "dequantized" else "Linear (dequantized)",
+        kernel=name,
     )
+
+
+def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device,
+                         kernel: str) -> Any:  # fmt: skip
+    from transformers import AutoModelForCausalLM, GPTQConfig
+
+    backend = None if kernel == "auto" else kernel
+    if kernel in FUSED_KERNELS:  # the runner's fused kernels start from TorchAtenLinear's weights
+        backend = "gptq_torch_aten"
+    options: dict[str, Any] = {}
+    if backend is not None:  # only the backend is taken from here; the rest from config.json
+        options["quantization_config"] = GPTQConfig(bits=int(quant["bits"]), backend=backend)
+    return AutoModelForCausalLM.from_pretrained(path, device_map=str(target), **options)
+
+
+def _checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype config.json names for the plain tensors (bf16 where it names none)."""
+    config = json.loads((path / "config.json").read_text())
+    name = str(config.get("dtype") or config.get("torch_dtype") or "bfloat16")
+    found = getattr(torch, name.removeprefix("torch."), None)
+    return found if isinstance(found, torch.dtype) else torch.bfloat16
 
 
 @torch.no_grad()
 def dequantize_linears(model: Any) -> None:
-    """Replace every GPTQ Linear by an nn.Linear holding its dequantized weight, in place.
+    """Replace every GPTQLinear by an nn.Linear holding its dequantized weight, in place.
 
     Each Linear is made on the meta device and given its weight: no random initialisation of
     weights that are overwritten at once (1.0 s of SmolLM2's 3.0 s, Xeon, 2 threads)."""
     dtype = model.get_input_embeddings().weight.dtype
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not type(child).__module__.startswith("gptqmodel"):
+            if not isinstance(child, GPTQLinear):
                 continue
             linear = torch.nn.Linear(
                 child.in_features, child.out_features, bias=child.bias is not None,
                 device="meta", dtype=dtype,
             )  # fmt: skip
-            weight = _dequantized_weight(child).to(dtype)  # [out, in]
-            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            stored = child.dequantized()  # [K, N], rows in stored order
+            weight = torch.empty_like(stored)
+            if child.perm is None:
+                weight = stored
+            else:  # stored row k multiplies input perm[k]
+                weight[child.perm] = stored
+            linear.weight = torch.nn.Parameter(weight.t().to(dtype), requires_grad=False)
             if child.bias is not None:
                 bias = child.bias.to(dtype=dtype, copy=True)
                 linear.bias = torch.nn.Parameter(bias, requires_grad=False)
             setattr(parent, name, linear.eval())
-
-
-def _dequantized_weight(module: Any) -> torch.Tensor:
-    """scale[group] * (code - zero[group]) of a packed GPTQ module: [out_features, in_features].
-
-    Packed layout (gptqmodel's GPTQ formats): qweight [in * bits / 32, out] int32, qzeros
-    [groups, out * bits / 32] int32, scales [groups, out], g_idx [in] (the group of each input);
-    qzero_format 1 (the v1 checkpoint format) stores each zero minus one.
-    """
-    bits = int(module.bits)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=module.qweight.device)
-    mask = (1 << bits) - 1
-    codes = (module.qweight.unsqueeze(1) >> shifts.view(1, -1, 1)) & mask  # [in/pf, pf, out]
-    codes = codes.reshape(-1, module.qweight.shape[1])[: module.in_features]  # [in, out]
-    zeros = (module.qzeros.unsqueeze(2) >> shifts.view(1, 1, -1)) & mask  # [groups, out/pf, pf]
-    zeros = zeros.reshape(module.qzeros.shape[0], -1)[:, : module.out_features]  # [groups, out]
-    if module.qzero_format() == 1:
-        zeros = zeros + 1
-    groups = module.g_idx.long()  # [in]
-    weight = module.scales.float()[groups] * (codes.float() - zeros.float()[groups])  # [in, out]
-    return weight.t().contiguous()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -171,7 +186,7 @@ def _pad_id(tokenizer: Any) -> int:
 
 def _kernel_name(model: Any) -> str:
     for module in model.modules():
-        if type(module).__module__.startswith("gptqmodel"):
+        if type(module).__module__.startswith("gptqmodel") or isinstance(module, GPTQLinear):
             return type(module).__name__
     return "none"
 
