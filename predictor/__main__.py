@@ -90,6 +90,9 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
+    # our INFO lines (kernel choices, memory, readiness) on stderr: configured here, at the edge
+    # (they once appeared only because importing gptqmodel configures the root logger)
+    logging.basicConfig(level=logging.INFO)
     hide_argv_from_kserve()  # KServe's import-time argv parser must see none of our flags
     os.environ["HF_HOME"] = str(settings.hf_home)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
