@@ -69,30 +69,27 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[i
 
     One pass over the logits serves every plain greedy row: its max is both the token and the
     finite check (NaN and +inf propagate into the max). Only rows that sample, are penalized,
-    must not end yet (min_tokens) or want logprobs are looked at again.
-    """
+    must not end yet (min_tokens) or want logprobs are looked at again. The tokens are read
+    back once, at the end (on a GPU: the step's one wait for the device)."""
     best, argmax = row_max(logits)  # [B] each
-    finite = torch.isfinite(best).tolist()
-    tokens = argmax.tolist()
-    special = [i for i, r in enumerate(rows) if finite[i] and _special(r, eos_ids)]
+    chosen = torch.where(torch.isfinite(best), argmax, -1)  # -1: the row's logits not finite
+    special = [i for i, r in enumerate(rows) if _special(r, eos_ids)]
     if special:
         sub = logits[special]  # [S, V], a copy
         sub_rows = [rows[i] for i in special]
         sub = _penalize(sub, sub_rows)
         sub = _ban_eos(sub, sub_rows, eos_ids)
-        dead = _constrain(sub, sub_rows)
+        dead = _constrain(sub, sub_rows)  # [S] bool, or None: no grammar
         picked = sub.argmax(dim=-1)
         # below float32's reach a temperature's limit is greedy: such rows keep the argmax
         drawn = [j for j, r in enumerate(sub_rows) if r.params.temperature >= MIN_TEMPERATURE]
         if drawn:
             picked[drawn] = _draw(sub[drawn], [sub_rows[j] for j in drawn])
-        for i, token in zip(special, picked.tolist(), strict=True):
-            tokens[i] = token
-        for j in dead:
-            finite[special[j]] = False
-    for i, ok in enumerate(finite):
-        if not ok:
-            tokens[i] = -1
+        if dead is not None:
+            picked = picked.masked_fill(dead, -1)
+        at = torch.tensor(special, device=logits.device)
+        chosen[at] = torch.where(chosen[at] >= 0, picked, -1)
+    tokens: list[int] = chosen.tolist()
     return Sampled(tokens, _logprobs(logits, tokens, rows))
 
 
@@ -177,12 +174,13 @@ def _ban_eos(
     return logits
 
 
-def _constrain(logits: torch.Tensor, rows: Sequence[RowState]) -> list[int]:
+def _constrain(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor | None:
     """Rows with a grammar: the tokens it forbids become -inf, one bitmask for them all (xgrammar's
-    CPU kernel). Returns the rows left with no allowed token (a grammar that cannot go on)."""
+    CPU kernel). Returns which rows are left with no allowed token (a grammar that cannot go on),
+    as a bool tensor [S], or None when no row has a grammar."""
     constrained = [j for j, r in enumerate(rows) if r.matcher is not None]
     if not constrained:
-        return []
+        return None
     import xgrammar as xgr  # only when a row has a grammar
 
     vocab = logits.shape[-1]
@@ -191,11 +189,12 @@ def _constrain(logits: torch.Tensor, rows: Sequence[RowState]) -> list[int]:
     for j in constrained:
         rows[j].matcher.fill(bitmask, j)
     width = min(vocab, mask_vocab)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width, indices=constrained)
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device), vocab_size=width, indices=constrained
+    )
     if vocab > mask_vocab:  # the model's padding rows: no tokenizer token, never allowed
         logits[constrained, mask_vocab:] = float("-inf")
-    best = logits[constrained].amax(dim=-1)
-    return [j for j, b in zip(constrained, best.tolist(), strict=True) if b == float("-inf")]
+    return logits.amax(dim=-1) == float("-inf")
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
@@ -213,7 +212,7 @@ def _draw(logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         cut = torch.tensor([t < vocab for t in top_k], device=device).unsqueeze(1)
         scaled = scaled.masked_fill(cut & (scaled < kth), float("-inf"))
     top_p = torch.tensor([r.params.top_p for r in rows], device=device).unsqueeze(1)
-    if bool((top_p < 1.0).any()):
+    if any(r.params.top_p < 1.0 for r in rows):
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         probs_sorted = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens before it already reach top_p; the first always stays
