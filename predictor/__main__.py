@@ -42,6 +42,8 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
     if settings.runner == "null":
         vocab = len(loaded.tokenizer)
         runner = NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
+    elif loaded.device.type == "cuda":
+        runner = _cuda_runner(loaded, settings, allocator)
     else:
         try:
             runner = ModelRunner(  # UnsupportedModel is a CheckpointError
@@ -85,6 +87,25 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         default_timeout=settings.request_timeout or None,
         max_prompts=settings.max_prompts,
         stall_seconds=settings.stall_seconds,
+    )
+
+
+def _cuda_runner(loaded: LoadedModel, settings: Settings, allocator: BlockAllocator) -> Runner:
+    """The GPU's runner (imported only here: it imports Triton)."""
+    from predictor.engine.runners.cuda.runner import CudaRunner
+
+    if settings.attention == "native":
+        raise CheckpointError("--attention native is the CPU's: on a GPU use triton, torch or auto")
+    return CudaRunner(  # UnsupportedModel is a CheckpointError
+        loaded.model,
+        loaded.device,
+        allocator.num_blocks,
+        allocator.block_size,
+        max_rows=settings.max_batch_size,
+        max_step_tokens=settings.max_step_tokens,
+        graphs=settings.cuda_graphs,
+        attention=settings.attention,
+        release_model_weights=True,  # only the runner runs the served model
     )
 
 

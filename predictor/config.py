@@ -28,8 +28,9 @@ NATIVE_KERNELS = tuple(
 )
 FUSED_KERNELS = ("int4_op", "prepacked_bf16", *NATIVE_KERNELS)
 KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
-# how decode rows attend on a CPU (engine/runners/native.py)
-ATTENTION = ("auto", "native", "torch")
+# how decode rows attend: on a CPU native (engine/runners/native.py) or torch; on a GPU triton
+# (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
+ATTENTION = ("auto", "native", "torch", "triton")
 
 
 SERVING_CORES = 1  # cores the default thread count leaves to serving (Settings.torch_threads)
@@ -74,6 +75,7 @@ class Settings:
     model_control: bool = False  # allow repository load/unload (Triton's explicit mode)
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
+    cuda_graphs: bool = True  # on a GPU: decode steps replay CUDA graphs captured at start
     hf_home: Path = Path.home() / ".cache" / "huggingface"
 
     @property
@@ -161,9 +163,10 @@ _HELP = {
     "activations, the widest instruction set; _avx2, _avx512, ... names one)",
     "autotune_cache": "folder of the kernel autotune's cached choices (empty: measure at "
     "every start)",
-    "attention": "how decode rows attend on a CPU: native (a C kernel compiled at start with "
-    "$CC or cc/gcc/g++/clang, reading the paged cache in place; bf16 models), torch (gather + "
-    "batched matmuls), or auto: native where it compiles",
+    "attention": "how decode rows attend: on a CPU native (a C kernel compiled at start with "
+    "$CC or cc/gcc/g++/clang, reading the paged cache in place; bf16 models) or torch (gather + "
+    "batched matmuls); on a GPU triton (a paged kernel) or torch; auto: native where it "
+    "compiles on a CPU, the faster measured at start on a GPU",
     "max_tokens_limit": "largest max_tokens a request may ask for",
     "default_max_tokens": "max_tokens when a request gives none",
     "max_batch_size": "most requests decoded together",
@@ -196,6 +199,8 @@ _HELP = {
     "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
     "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
+    "cuda_graphs": "on a GPU, replay a CUDA graph captured at start for each step of decode "
+    "rows only (one launch instead of ~9 a layer); off: every step launches its kernels",
 }
 
 

@@ -139,6 +139,8 @@ class ModelRunner:
     def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+        if attention == "triton":
+            raise ValueError("triton attention is the GPU runner's (--device cuda)")
         if attention == "torch":
             return None
         if self.device.type != "cpu" or dtype != torch.bfloat16:

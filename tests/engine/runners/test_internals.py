@@ -53,3 +53,20 @@ def test_item_onednn_prepack() -> None:
         pytest.skip(f"oneDNN refuses bf16 prepacking on this CPU: {exc}")
     out = internals.onednn_linear(x, prepacked)
     assert torch.allclose(out.float(), x.float() @ weight.float().t(), atol=0.1), "ONEDNN_PREPACK"
+
+
+@pytest.mark.cuda
+def test_item_int4pack_cuda() -> None:
+    """tinygemm as cuda/linear.py calls it (two codes a byte, the even input high), against the
+    weights it stands for; runs on the GPU machine (its own torch), skipped elsewhere."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    codes, _, scales_and_zeros, dense = int4_weights(n=64, k=256, group=64)
+    packed = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8).cuda()
+    weight = internals.convert_to_int4pack_cuda(packed, 8)
+    x = torch.randn(5, 256).to(torch.bfloat16).cuda()
+    out = internals.int4pack_mm_cuda(x, weight, 64, scales_and_zeros.cuda())
+    assert out.shape == (5, 64) and out.dtype == torch.bfloat16, "INT4PACK_CUDA changed"
+    expected = x.float() @ dense.cuda().t()
+    error = (out.float() - expected).norm() / expected.norm()
+    assert error < 2e-2, "INT4PACK_CUDA changed its layout or dequantization"
