@@ -87,6 +87,8 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         default_timeout=settings.request_timeout or None,
         max_prompts=settings.max_prompts,
         stall_seconds=settings.stall_seconds,
+        grammar_timeout=settings.grammar_compile_timeout,
+        max_grammar_compiles=settings.max_grammar_compiles,
     )
 
 

@@ -69,6 +69,8 @@ class Settings:
     max_prompts: int = 16  # prompts in one request (V2 text_input [N], OpenAI n x prompts)
     max_body_bytes: int = 8 * 1024 * 1024  # REST body and gRPC message size (413 past it)
     max_json_depth: int = 32  # nesting of a JSON body
+    grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar's compile
+    max_grammar_compiles: int = 16  # grammar compiles running or waiting at once (then 429)
     max_stream_requests: int = 64  # requests in progress on one ModelStreamInfer stream
     stream_queue_size: int = 256  # responses buffered per ModelStreamInfer stream
     slow_reader_grace: float = 1.0  # seconds a token may wait for room in a full stream queue
@@ -131,6 +133,10 @@ class Settings:
             )
         if self.kernel not in KERNELS:
             raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
+        if self.grammar_compile_timeout <= 0 or self.max_grammar_compiles < 1:
+            raise ValueError(
+                "--grammar-compile-timeout must be > 0 and --max-grammar-compiles >= 1"
+            )
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
 
@@ -187,6 +193,12 @@ _HELP = {
     "more is a 400",
     "max_body_bytes": "largest REST body (413 past it) and gRPC message (RESOURCE_EXHAUSTED)",
     "max_json_depth": "deepest nesting of a JSON body (400 past it)",
+    "grammar_compile_timeout": "seconds a request waits for its structured-output grammar to "
+    "compile; past it the request is refused (400, too complex) and the compile, which cannot "
+    "be stopped, finishes in the background and is cached",
+    "max_grammar_compiles": "structured-output grammars compiling or waiting to compile at "
+    "once (on a pool of their own, at a low CPU priority); more are refused with 429 and "
+    "Retry-After",
     "max_stream_requests": "requests in progress on one ModelStreamInfer stream; more get "
     "error_message RESOURCE_EXHAUSTED",
     "stream_queue_size": "responses buffered per ModelStreamInfer stream for a slow reader",

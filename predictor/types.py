@@ -153,7 +153,8 @@ class TokenEvent:
     """One step of one request: the new text (possibly empty while a stop prefix is held back).
 
     The last event of a request has `finish_reason` and `usage` set; `error` is set when the
-    finish reason is ERROR.
+    finish reason is ERROR, and `error_param` when the request itself is to blame (its
+    parameter of that name cannot be honoured: a client error, 400), not the engine.
     """
 
     request_id: str
@@ -164,6 +165,7 @@ class TokenEvent:
     error: str | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry, when the request asked
     prompt: PromptEcho | None = None  # on the first event, when the request asked for it
+    error_param: str | None = None
 
     @property
     def final(self) -> bool:

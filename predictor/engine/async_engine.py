@@ -48,8 +48,11 @@ class AsyncEngine:
         default_timeout: float | None = None,
         max_prompts: int = 16,
         stall_seconds: float = 120.0,
+        grammar_timeout: float = 10.0,
+        max_grammar_compiles: int = 16,
     ) -> None:
         self._loop = step_loop
+        self._grammar_limits = (grammar_timeout, max_grammar_compiles)
         self._tokenizer = tokenizer
         self._byte_table = byte_table(tokenizer)
         self.max_tokens_limit = max_tokens_limit
@@ -88,6 +91,8 @@ class AsyncEngine:
         self._accepting = False
         self._stopped = True
         self._loop.stop()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def live(self) -> bool:
         """False when the step thread died without being stopped, or rows are running and no
@@ -196,12 +201,15 @@ class AsyncEngine:
             if self._grammars is None:
                 from predictor.engine.grammar import Grammars  # xgrammar loads only when used
 
-                self._grammars = Grammars(self._tokenizer, self._loop.eos_ids)
+                timeout, in_flight = self._grammar_limits
+                self._grammars = Grammars(self._tokenizer, self._loop.eos_ids, timeout=timeout,
+                                          max_in_flight=in_flight)  # fmt: skip
             return self._grammars
 
-    def prepare(self, request: GenerateRequest) -> tuple[list[int], Any, str | None]:
-        """The prompt's tokens, its compiled grammar, if any, and its text when the request
-        echoes it (blocking: a worker thread)."""
+    def prepare(self, request: GenerateRequest) -> tuple[list[int], str | None]:
+        """The prompt's tokens and its text when the request echoes it (blocking: a worker
+        thread); the grammar compiler made if the request has a grammar (its first time reads
+        the vocabulary)."""
         ids = self.encode_prompt(request)
         echo = None
         if request.echo:  # the text as given; token ids (or a rendered chat) decoded
@@ -213,8 +221,9 @@ class AsyncEngine:
                 f"logit_bias names a token id outside the vocabulary ({vocab} tokens)",
                 param="logit_bias",
             )
-        grammar = request.params.grammar
-        return ids, None if grammar is None else self.grammars().compile(grammar), echo
+        if request.params.grammar is not None:
+            self.grammars()
+        return ids, echo
 
     def _check(self, request: GenerateRequest) -> None:
         max_tokens = request.params.max_tokens
@@ -257,14 +266,21 @@ class AsyncEngine:
         try:
             # off the event loop: a long prompt must not stall the other streams
             prepared = await asyncio.to_thread(lambda: [self.prepare(r) for r in requests])
-            for request, (prompt_ids, _, _) in zip(requests, prepared, strict=True):
+            for request, (prompt_ids, _) in zip(requests, prepared, strict=True):
                 self._check_fits(prompt_ids, request.params.max_tokens)
+            # on the grammar compiler's own pool, bounded (engine/grammar.py): never the pool
+            # that tokenizes, never longer than its timeout
+            compiled = await asyncio.gather(*(
+                self.grammars().compile_async(r.params.grammar)
+                for r in requests if r.params.grammar is not None
+            ))  # fmt: skip
+            grammars = iter(compiled)
             if not self.health():  # drained or stopped while tokenizing
                 raise EngineUnavailable("the engine is not accepting requests")
             loop = asyncio.get_running_loop()
             made = [
-                self._sequence(r, ids, loop, compiled, echo)
-                for r, (ids, compiled, echo) in zip(requests, prepared, strict=True)
+                self._sequence(r, ids, loop, next(grammars) if r.params.grammar else None, echo)
+                for r, (ids, echo) in zip(requests, prepared, strict=True)
             ]
             self._loop.scheduler.add_all([seq for seq, _ in made])  # raises Overloaded
         finally:

@@ -120,17 +120,19 @@ class Sequence:
         error: str | None = None,
         token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
+        error_param: str | None = None,
     ) -> None:
-        """Send the final event (once)."""
+        """Send the final event (once). `error_param`: the request's parameter to blame."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
         prompt = self._prompt() if error is None else None
         self.sink(
             TokenEvent(
-                self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt
+                self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt,
+                error_param,
             )
-        )
+        )  # fmt: skip
 
 
 class Batch:

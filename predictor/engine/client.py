@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Protocol, TypeVar
 
-from predictor.errors import GenerationFailed
+from predictor.errors import GenerationFailed, InvalidRequest, PredictorError
 from predictor.types import (
     Completion,
     FinishReason,
@@ -82,6 +82,14 @@ class EngineClient(Protocol):
         ...
 
 
+def failure(event: TokenEvent) -> PredictorError:
+    """The error a failed request's final event stands for: the client's (InvalidRequest, its
+    parameter named) or the engine's (GenerationFailed)."""
+    if event.error_param is not None:
+        return InvalidRequest(event.error or "the request cannot be honoured", event.error_param)
+    return GenerationFailed(event.error or "generation failed")
+
+
 async def complete(events: Stream) -> Completion:
     """Run one request's events to the end and collect its text (the unary endpoints' path)."""
     parts: list[str] = []
@@ -95,7 +103,7 @@ async def complete(events: Stream) -> Completion:
             if event.final:
                 assert event.finish_reason is not None and event.usage is not None
                 if event.finish_reason is FinishReason.ERROR:
-                    raise GenerationFailed(event.error or "generation failed")
+                    raise failure(event)
                 text = "".join(parts)
                 return Completion(
                     event.request_id,

@@ -18,17 +18,22 @@ rewrites each such rule to one JSON character: an unescaped one or an escape.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Iterator
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeGuard
 
 import xgrammar as xgr
 
 from predictor.engine import tool_calls
-from predictor.errors import InvalidRequest
+from predictor.engine.grammar_check import empty_rule
+from predictor.errors import InvalidRequest, Overloaded
 from predictor.types import Grammar
 
 # JSON schema keywords xgrammar 0.2.9 enforces (the rest are refused, not ignored)
@@ -56,6 +61,7 @@ _SCALAR = frozenset(
 _SHAPES = frozenset({"properties", "additionalProperties", "items", "prefixItems"})
 _CONSTRAINTS = _SCALAR | _SHAPES | {"required"}
 MAX_GRAMMAR_CHARS = 64 * 1024
+COMPILE_NICENESS = 10  # of the compile threads (0: as the rest of the server)
 
 
 def _subschemas(schema: Any, path: str) -> Iterator[tuple[dict[str, Any], str]]:
@@ -98,8 +104,51 @@ def _dropped(schema: dict[str, Any]) -> str | None:
     return None
 
 
+_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"))
+
+
+def _number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _empty(schema: dict[str, Any]) -> str | None:
+    """Why no value satisfies this schema on its own keywords, or what it points at that is
+    not in the document, if so (xgrammar would serve such a schema unconstrained or as "")."""
+    for key in ("anyOf", "enum", "type"):
+        if schema.get(key) == []:
+            return f"'{key}' is an empty list, so no value satisfies it"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return (
+            f"'$ref' {ref!r} points outside the schema (only references within it, "
+            "'#/...', are followed)"
+        )
+    for low, high in _BOUNDS:
+        a, b = schema.get(low), schema.get(high)
+        if _number(a) and _number(b) and a > b:
+            return f"'{low}' {a} is greater than '{high}' {b}, so no value satisfies both"
+    a, b = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
+    if _number(a) and _number(b) and a >= b:
+        return f"'exclusiveMinimum' {a} is not below 'exclusiveMaximum' {b}: no value fits"
+    required, properties = schema.get("required"), schema.get("properties")
+    if isinstance(required, list) and isinstance(properties, dict):
+        for name in required:
+            if properties.get(name) is False:
+                return f"required property '{name}' has the schema false: no value satisfies it"
+    prefix = schema.get("prefixItems")
+    least = schema.get("minItems")
+    if schema.get("items") is False and _number(least):
+        allowed = len(prefix) if isinstance(prefix, list) else 0
+        if least > allowed:
+            return f"'minItems' {least} but 'items' is false after {allowed} items"
+    return None
+
+
 def check_schema(schema: Any, param: str) -> None:
-    """Refuse a JSON schema with a keyword the library would not enforce."""
+    """Refuse a JSON schema with a keyword the library would not enforce, or one no value
+    satisfies, naming the keyword and where it stands (#/properties/a/...)."""
+    if schema is False:
+        raise InvalidRequest(f"'{param}': the schema false admits no value", param=param)
     if not isinstance(schema, dict | bool):
         raise InvalidRequest(f"'{param}': a JSON schema must be an object", param=param)
     for sub, where in _subschemas(schema, "#"):
@@ -110,7 +159,7 @@ def check_schema(schema: Any, param: str) -> None:
                     "this server's constrained decoding",
                     param=param,
                 )
-        why = _dropped(sub)
+        why = _dropped(sub) or _empty(sub)
         if why:
             raise InvalidRequest(f"'{param}': at {where}, {why}", param=param)
 
@@ -138,8 +187,67 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def _result(cached: Any) -> Any:
+    """A cached compile: the grammar, or the refusal raised again."""
+    if isinstance(cached, InvalidRequest):
+        raise InvalidRequest(str(cached), param=cached.param)
+    return cached
+
+
+def _lower_priority() -> None:
+    """A compile thread yields its core to the step loop and the server (Linux: per thread)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+
+
+def _build(grammar: Grammar) -> xgr.Grammar:
+    """The request's grammar as xgrammar's (not compiled yet); InvalidRequest for what
+    check_schema refuses."""
+    kind, text, param = grammar.kind, grammar.text, grammar.param
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+    if kind == "json_schema":
+        check_schema(json.loads(text), param)
+        schema = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        return _mend_strings(schema)
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    if kind == "choice":
+        return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
+    if kind == "ebnf":
+        return xgr.Grammar.from_ebnf(text)
+    if kind == "structural_tag":  # tool calls (engine/tool_calls.py)
+        for schema in tool_calls.schemas(json.loads(text)):
+            check_schema(schema, param)
+        return _mend_strings(xgr.Grammar.from_structural_tag(text))
+    raise InvalidRequest(f"'{param}': unknown grammar kind '{kind}'", param=param)
+
+
+_LIBRARY_NOISE = (
+    re.compile(r"^\[\d{2}:\d{2}:\d{2}\]\s*"),  # xgrammar's time stamp
+    re.compile(r"^\S+\.(cc|cpp|h|hpp|pxi|py):\d+:\s*"),  # its source file and line
+)
+
+
+def library_message(exc: BaseException) -> str:
+    """What xgrammar says is wrong, without its time stamp and C++ source location."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    for noise in _LIBRARY_NOISE:
+        line = noise.sub("", line)
+    return line[:300]
+
+
 class Grammars:
-    """Compiles grammars for one tokenizer; compiled grammars cached by their text (LRU)."""
+    """Compiles grammars for one tokenizer, on a small pool of its own, and caches them.
+
+    `compile_async` is the requests' way in: a compile runs on this object's threads (never the
+    pool that tokenizes), at a low CPU priority so that decoding and serving keep their cores;
+    at most `max_in_flight` compiles run or wait at once (more: Overloaded, a 429); a request
+    waits `timeout` seconds at most (then InvalidRequest: too complex). A compile cannot be
+    stopped once it runs, so it keeps its slot until it ends, and its grammar is cached for
+    the next request; one that has not started when its client leaves or times out is dropped.
+    Compiled grammars (and refusals) are cached by their text, LRU, within `cache_bytes`."""
 
     def __init__(
         self,
@@ -147,6 +255,10 @@ class Grammars:
         stop_ids: Collection[int],
         vocab_size: int | None = None,
         cache_size: int = 128,
+        cache_bytes: int = 256 * 2**20,
+        timeout: float = 10.0,
+        max_in_flight: int = 16,
+        threads: int = 1,
     ) -> None:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
@@ -154,28 +266,94 @@ class Grammars:
         self.vocab_size = self.info.vocab_size
         self.stop_ids = tuple(sorted(stop_ids))
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
-        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], tuple[Any, int]] = OrderedDict()
+        self._cache_size, self._cache_bytes, self._cached_bytes = cache_size, cache_bytes, 0
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and metrics
+        self.timeout, self.max_in_flight = timeout, max_in_flight
+        self.in_flight = 0  # compiles running or waiting for a thread
+        # per grammar compiling: its future and how many requests wait for it
+        self._pending: dict[tuple[str, str], list[Any]] = {}
+        self._pool = ThreadPoolExecutor(threads, "grammar-compile", initializer=_lower_priority)
 
-    def compile(self, grammar: Grammar) -> Any:
-        """The compiled grammar (xgr.CompiledGrammar); InvalidRequest naming grammar.param."""
+    async def compile_async(self, grammar: Grammar) -> Any:
+        """`compile` on the pool, bounded in time and in compiles at once (see the class).
+        Requests for a grammar already compiling wait for that compile, not a second one."""
         key = (grammar.kind, grammar.text)
+        hit = self._cached(key)
+        if hit is not None:
+            return _result(hit)
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None:
+                if self.in_flight >= self.max_in_flight:
+                    raise Overloaded(
+                        f"{self.in_flight} grammars are being compiled, the most this server "
+                        "compiles at once: retry later"
+                    )
+                self.in_flight += 1
+                pending = self._pending[key] = [self._pool.submit(self.compile, grammar), 0]
+                pending[0].add_done_callback(lambda _, key=key: self._finished(key))
+            pending[1] += 1
+        try:
+            waiter = asyncio.shield(asyncio.wrap_future(pending[0]))
+            return await asyncio.wait_for(waiter, self.timeout)
+        except TimeoutError:  # the wait ended; a compile that started runs on in its slot
+            param = grammar.param
+            raise InvalidRequest(
+                f"'{param}' is too complex: compiling it took longer than {self.timeout:g} s",
+                param=param,
+            ) from None
+        finally:
+            with self._lock:
+                pending[1] -= 1
+                abandoned = pending[1] == 0
+            if abandoned:  # nobody waits: a compile not yet started is dropped (its done
+                pending[0].cancel()  # callback takes the lock: called outside it)
+
+    def _finished(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self.in_flight -= 1
+            self._pending.pop(key, None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _cached(self, key: tuple[str, str]) -> Any:
         with self._lock:
             hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
-        compiled = self._compile(grammar)
+            if hit is None:
+                return None
+            self._cache.move_to_end(key)
+            return hit[0]
+
+    def compile(self, grammar: Grammar) -> Any:
+        """The compiled grammar (xgr.CompiledGrammar), blocking; InvalidRequest naming
+        grammar.param (also when the same grammar was refused before: refusals are cached)."""
+        key = (grammar.kind, grammar.text)
+        hit = self._cached(key)
+        if hit is not None:
+            return _result(hit)
+        try:
+            compiled: Any = self._compile(grammar)
+            size = int(compiled.memory_size_bytes) + len(grammar.text)
+        except InvalidRequest as refused:
+            compiled, size = refused, len(grammar.text)
         with self._lock:
             self.compiled += 1
-            self._cache[key] = compiled
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
-        return compiled
+            if key not in self._cache:
+                self._cache[key] = (compiled, size)
+                self._cached_bytes += size
+            while self._cache and (
+                len(self._cache) > self._cache_size or self._cached_bytes > self._cache_bytes
+            ):
+                _, (_, gone) = self._cache.popitem(last=False)
+                self._cached_bytes -= gone
+        return _result(compiled)
 
     def _compile(self, grammar: Grammar) -> Any:
+        """Built, checked for an empty language, compiled, checked that some token begins it;
+        InvalidRequest naming grammar.param at each step."""
         param = grammar.param
         if len(grammar.text) > MAX_GRAMMAR_CHARS:
             raise InvalidRequest(
@@ -183,35 +361,33 @@ class Grammars:
                 param=param,
             )
         try:
-            if grammar.kind == "json_object":
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False
-                )
-            if grammar.kind == "json_schema":
-                check_schema(json.loads(grammar.text), param)
-                schema = xgr.Grammar.from_json_schema(
-                    grammar.text, any_whitespace=False, strict_mode=True
-                )
-                return self._compiler.compile_grammar(_mend_strings(schema))
-            if grammar.kind == "regex":
-                return self._compiler.compile_regex(grammar.text)
-            if grammar.kind == "choice":
-                return self._compiler.compile_grammar(choice_ebnf(json.loads(grammar.text)))
-            if grammar.kind == "ebnf":
-                return self._compiler.compile_grammar(grammar.text)
-            if grammar.kind == "structural_tag":  # tool calls (engine/tool_calls.py)
-                for schema in tool_calls.schemas(json.loads(grammar.text)):
-                    check_schema(schema, param)
-                tags = xgr.Grammar.from_structural_tag(grammar.text)
-                return self._compiler.compile_grammar(_mend_strings(tags))
+            built = _build(grammar)
         except InvalidRequest:
             raise
         except Exception as exc:  # xgrammar's parse errors say what is wrong: pass it on
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise InvalidRequest(
-                f"'{param}' cannot be enforced: {message[:300]}", param=param
+                f"'{param}' cannot be enforced: {library_message(exc)}", param=param
             ) from exc
-        raise InvalidRequest(f"'{param}': unknown grammar kind '{grammar.kind}'", param=param)
+        empty = empty_rule(str(built))
+        if empty is not None:
+            rule = f": its rule '{empty}' derives no text" if grammar.kind == "ebnf" else ""
+            raise InvalidRequest(f"no text satisfies '{param}'{rule}", param=param)
+        try:
+            compiled = self._compiler.compile_grammar(built)
+        except Exception as exc:
+            raise InvalidRequest(
+                f"'{param}' cannot be enforced: {library_message(exc)}", param=param
+            ) from exc
+        if not self._can_begin(compiled):
+            raise InvalidRequest(f"no text satisfies '{param}': no token can begin it", param=param)
+        return compiled
+
+    def _can_begin(self, compiled: Any) -> bool:
+        """Whether the grammar allows some first token (or ending at once)."""
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask, 0)
+        return bool(bitmask.any())
 
     def matcher(self, compiled: Any) -> Matcher:
         return Matcher(compiled, self)

@@ -57,9 +57,14 @@ class Row:
     matcher: Any = None
 
 
+NOT_FINITE, NO_TOKEN_ALLOWED = -1, -2  # a row's token when it has none
+
+
 @dataclass
 class Sampled:
-    tokens: list[int]  # one per row; -1 where the row's logits were not finite
+    # one per row; NOT_FINITE where the row's logits were not finite, NO_TOKEN_ALLOWED where
+    # its grammar allows no token (no text can satisfy it past this point)
+    tokens: list[int]
     # per row: (chosen logprob, [(token, logprob)] top alternatives), or None
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]
 
@@ -72,7 +77,7 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[i
     must not end yet (min_tokens) or want logprobs are looked at again. The tokens are read
     back once, at the end (on a GPU: the step's one wait for the device)."""
     best, argmax = row_max(logits)  # [B] each
-    chosen = torch.where(torch.isfinite(best), argmax, -1)  # -1: the row's logits not finite
+    chosen = torch.where(torch.isfinite(best), argmax, NOT_FINITE)
     special = [i for i, r in enumerate(rows) if _special(r, eos_ids)]
     if special:
         sub = logits[special]  # [S, V], a copy
@@ -86,9 +91,9 @@ def sample(logits: torch.Tensor, rows: Sequence[RowState], eos_ids: Collection[i
         if drawn:
             picked[drawn] = _draw(sub[drawn], [sub_rows[j] for j in drawn])
         if dead is not None:
-            picked = picked.masked_fill(dead, -1)
+            picked = picked.masked_fill(dead, NO_TOKEN_ALLOWED)
         at = torch.tensor(special, device=logits.device)
-        chosen[at] = torch.where(chosen[at] >= 0, picked, -1)
+        chosen[at] = torch.where(chosen[at] >= 0, picked, NOT_FINITE)
     tokens: list[int] = chosen.tolist()
     return Sampled(tokens, _logprobs(logits, tokens, rows))
 

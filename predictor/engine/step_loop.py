@@ -25,7 +25,13 @@ from typing import TYPE_CHECKING
 
 from predictor.engine.batch import Batch, Sequence
 from predictor.engine.kv_cache import BlockAllocator
-from predictor.engine.sampling import make_generator, sample, score_tokens, select_rows
+from predictor.engine.sampling import (
+    NO_TOKEN_ALLOWED,
+    make_generator,
+    sample,
+    score_tokens,
+    select_rows,
+)
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step import Runner, StepRow
 from predictor.types import FinishReason, PromptToken, TokenLogprob, TopLogprob
@@ -287,6 +293,12 @@ class StepLoop:
                 seq.finish(FinishReason.ERROR, error="sampling failed")
             return
         for seq, token, logprob in zip(seqs, result.tokens, result.logprobs, strict=True):
+            if token == NO_TOKEN_ALLOWED and seq.params.grammar is not None:
+                param = seq.params.grammar.param  # the request's constraint, not the model
+                seq.finish(FinishReason.ERROR, seq.detokenizer.flush(), error_param=param,
+                           error=f"no text satisfies '{param}' past what was generated: it "
+                           "allows no next token")  # fmt: skip
+                continue
             if token < 0:
                 seq.finish(FinishReason.ERROR, error="the model produced non-finite logits")
                 continue

@@ -73,7 +73,10 @@ def json_text(text: str, max_depth: int, key: str, what: str = "a valid JSON obj
         value = json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequest(f"parameter '{key}' is not {what}", param=key) from exc
-    check_plain(value, max_depth, where=f"parameter '{key}'")
+    try:
+        check_plain(value, max_depth, where=f"parameter '{key}'")
+    except InvalidRequest as exc:  # the parameter named, as OpenAI's `param`
+        raise InvalidRequest(str(exc), param=key) from None
     return value
 
 

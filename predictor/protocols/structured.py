@@ -37,11 +37,8 @@ def grammar(key: str, value: Any, max_depth: int) -> Grammar | None:
     kind, spec = given[0], value[given[0]]
     where = f"{key}.{kind}"
     if kind == "json":
-        if isinstance(spec, str):
-            try:
-                spec = json.loads(spec)
-            except (ValueError, RecursionError) as exc:
-                raise InvalidRequest(f"'{where}' is not valid JSON", param=where) from exc
+        if isinstance(spec, str):  # a schema as JSON text: checked as an inline one is
+            spec = json_text(spec, max_depth, where, "a JSON schema")
         if not isinstance(spec, dict | bool):
             raise InvalidRequest(f"'{where}' must be a JSON schema (an object)", param=where)
         return Grammar("json_schema", json.dumps(spec), key)

@@ -1,6 +1,6 @@
 """What every streaming transport does with a request's events, in one place.
 
-- `first_event`: a stream's next event, or GenerationFailed if it ended without one.
+- `first_event`: a stream's first event, or the error of a request that failed before it.
 - `emitted`: the events worth sending (text, the end, or every token when token counts must add
   up), ending after the final one or an error.
 - `one_prompt`: the request of a route that streams one prompt.
@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 from starlette.responses import Response, StreamingResponse
 
-from predictor.engine.client import Stream, complete
+from predictor.engine.client import Stream, complete, failure
 from predictor.errors import GenerationFailed, InvalidRequest, PredictorError
 from predictor.types import Completion, GenerateRequest, TokenEvent
 
@@ -29,10 +29,15 @@ T = TypeVar("T")
 
 
 async def first_event(events: Stream) -> TokenEvent:
+    """The stream's first event; a request that failed before anything was sent raises its
+    error (then the answer is a JSON error with its status, not a 200 and an error event)."""
     try:
-        return await events.__anext__()
+        event = await events.__anext__()
     except StopAsyncIteration:
         raise GenerationFailed("the engine ended the request without an event") from None
+    if event.error is not None and event.final and not event.text and not event.token_ids:
+        raise failure(event)
+    return event
 
 
 def worth_sending(event: TokenEvent, every_token: bool = False) -> bool:

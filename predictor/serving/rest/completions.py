@@ -17,8 +17,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from predictor.engine.client import Stream, gather_all
-from predictor.errors import GenerationFailed, PredictorError
+from predictor.engine.client import Stream, failure, gather_all
+from predictor.errors import InvalidRequest, PredictorError
 from predictor.protocols import schemas
 from predictor.protocols.openai import requests, responses
 from predictor.protocols.openai.requests import OpenAIRequest
@@ -93,7 +93,7 @@ async def start_stream(model: ServedModel, request: OpenAIRequest) -> Response:
                 yield sse(data)
             async for index, event in events:
                 if event.error is not None:
-                    yield sse(json.dumps(openai_body(GenerationFailed(event.error))))
+                    yield sse(json.dumps(openai_body(failure(event))))
                     return
                 encoded = encoder.event(index, event)
                 if encoded is not None:
@@ -153,11 +153,24 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
         served = [n for n in listed if resolve(n) is not None]
         return JSONResponse(responses.models_list(listed, served, created))
 
+    def named_or_only(body: Any) -> ServedModel:
+        """The model a /tokenize body names, or, where it names none (vLLM's serve one model
+        and make `model` optional there), the one model served; 400 when that is ambiguous."""
+        name = requests.requested_model(body)
+        if name is None:
+            served = [n for n in names() if resolve(n) is not None]
+            if len(served) != 1:
+                raise InvalidRequest(
+                    f"'model' is required: this server serves {len(served)} models", param="model"
+                )
+            name = served[0]
+        return ready_model(resolve, name)
+
     async def tokenize(request: Request) -> Response:
         """vLLM's /tokenize: {count, max_model_len, tokens[, token_strs]}."""
         try:
             body = await read_json(request)
-            model = ready_model(resolve, requests.requested_model(body) or "")
+            model = named_or_only(body)
             parsed, prompt = requests.decode_tokenize(body)
             ids = await model.llm.tokenize(prompt)
             answer: dict[str, Any] = {
@@ -174,7 +187,7 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
         """vLLM's /detokenize: {prompt}."""
         try:
             body = await read_json(request)
-            model = ready_model(resolve, requests.requested_model(body) or "")
+            model = named_or_only(body)
             parsed = requests.decode_detokenize(body)
             return JSONResponse({"prompt": await model.llm.detokenize(parsed.tokens)})
         except PredictorError as exc:
