@@ -21,6 +21,7 @@ from predictor.errors import EngineUnavailable, Forbidden, InvalidRequest, Predi
 from predictor.serving import internals
 from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
+from predictor.serving.probe_logs import quiet_probes
 from predictor.serving.rest import completions, oip
 from predictor.serving.rest.body import BodyGuard
 from predictor.serving.rest.triton_admin import build_triton_router
@@ -163,6 +164,7 @@ class PredictorServer(ModelServer):
 
     def start(self, models: list[BaseKServeModel]) -> None:
         settings = self.settings
+        quiet_probes()
         handlers: list[tuple[type[Exception], internals.ExceptionHandler]] = [
             (PredictorError, predictor_error_handler),
             (RequestValidationError, validation_error_handler),

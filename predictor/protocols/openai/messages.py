@@ -40,7 +40,9 @@ class AssistantToolCall(Strict):
 
 
 class Message(Strict):
-    role: Literal["system", "user", "assistant", "tool"]
+    # developer: OpenAI's name for system instructions (the openai SDK and vLLM send it); the
+    # chat template takes it as a system turn
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
     tool_call_id: str | None = None
@@ -84,7 +86,8 @@ def _turn(i: int, message: Message) -> dict[str, Any]:
         raise InvalidRequest(f"'{where}.tool_call_id' is only for tool messages", param=where)
     if message.content is None and not (message.role == "assistant" and message.tool_calls):
         raise InvalidRequest(f"'{where}.content' is required", param=f"{where}.content")
-    turn: dict[str, Any] = {"role": message.role, "content": content(message)}
+    role = "system" if message.role == "developer" else message.role
+    turn: dict[str, Any] = {"role": role, "content": content(message)}
     if message.role == "tool":
         if message.tool_call_id is None:
             raise InvalidRequest(

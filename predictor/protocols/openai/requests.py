@@ -11,6 +11,7 @@ response shapes are in `protocols/openai/responses.py`, the routes in `serving/r
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -140,6 +141,44 @@ def _param(loc: tuple[int | str, ...], names: frozenset[str]) -> str:
     return out
 
 
+def _telling_error(exc: ValidationError) -> Any:
+    """The error to show. Where a union's alternatives all failed, pydantic lists one error per
+    alternative, and the first is often one the input was never meant as (a list of content
+    parts told "Input should be a valid string"). The alternative that got furthest into the
+    input (the longest location) is the one meant; where several errors tie, the field they
+    share is named, with what is wrong at each place inside it."""
+    errors = exc.errors()
+    deepest = max(len(e["loc"]) for e in errors)
+    tied = [e for e in errors if len(e["loc"]) == deepest]
+    places = [
+        _param(e["loc"], _FIELD_NAMES | ({str(e["loc"][-1])} if e["type"] == "extra_forbidden"
+                                         else set()))
+        for e in tied
+    ]  # fmt: skip
+    if len(tied) == 1 or tied[0]["type"] == "extra_forbidden":
+        return tied[0]
+    shared = places[0]
+    for place in places[1:]:
+        while not (place == shared or place.startswith((f"{shared}.", f"{shared}["))):
+            shared = shared[: max(shared.rfind("."), shared.rfind("["), 0)]
+    said: list[str] = []
+    for place, error in zip(places, tied, strict=True):
+        inside = place[len(shared) :].lstrip(".")
+        msg = str(error["msg"])
+        line = f"{inside}: {msg[0].lower()}{msg[1:]}" if inside else msg
+        if line not in said:
+            said.append(line)
+    return {"loc": tuple(_loc_of(shared)), "type": "union", "msg": " or ".join(said)}
+
+
+def _loc_of(param: str) -> list[str | int]:
+    """A param (messages[0].content) back as a location _param reads the same."""
+    loc: list[str | int] = []
+    for name, index in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]", param):
+        loc.append(name if name else int(index))
+    return loc
+
+
 _FIELD_NAMES = frozenset(
     name
     for model in (
@@ -172,7 +211,7 @@ def _validate(
     try:
         return model.model_validate(rest), values
     except ValidationError as exc:
-        error = exc.errors()[0]
+        error = _telling_error(exc)
         loc = error["loc"]
         if error["type"] == "extra_forbidden":  # the unknown key itself is the last part
             param = _param(loc, _FIELD_NAMES | {str(loc[-1])})
@@ -293,9 +332,10 @@ def _prompts(base: str, prompt: Any) -> list[GenerateRequest]:
 
 
 class TokenizeBody(_Strict):
-    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template. `model`
+    may be left out where one model is served (vLLM's is optional too)."""
 
-    model: str
+    model: str | None = None
     prompt: Annotated[str, Field(min_length=1)] | None = None
     messages: Annotated[list[Message], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # accepted; the engine tokenizes as it generates
@@ -304,7 +344,7 @@ class TokenizeBody(_Strict):
 
 
 class DetokenizeBody(_Strict):
-    model: str
+    model: str | None = None
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
 
@@ -314,7 +354,7 @@ def _strict(model: type[Body2], body: Any) -> Body2:
     try:
         return model.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
-        error = exc.errors()[0]
+        error = _telling_error(exc)
         param = _param(error["loc"], _FIELD_NAMES | {"tokens", "prompt", str(error["loc"][-1])})
         raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
 

@@ -145,7 +145,7 @@ def test_chat_logprobs_without_top() -> None:
         ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages[0].content",
+            "messages[0].content[0]",  # the list's part, not "should be a valid string"
         ),
         ({"repetition_penalty": 0}, "repetition_penalty"),  # must be positive
         ({"length_penalty": 1.1}, "length_penalty"),  # vLLM's beam search: not here
@@ -170,7 +170,7 @@ def test_chat_refusals_name_the_field(change: dict[str, Any], param: str) -> Non
         ({"suffix": "end"}, "suffix"),
         ({"prompt": [1, "a"]}, "prompt"),
         ({"prompt": [[1], []]}, "prompt"),
-        ({"prompt": [-1]}, "prompt"),
+        ({"prompt": [-1]}, "prompt[0]"),
         ({"prompt": ""}, "prompt"),
         ({"prompt": []}, "prompt"),
         ({"logprobs": True}, "logprobs"),
