@@ -56,6 +56,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
                 kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
                 autotune_cache=settings.autotune_dir,
                 release_model_weights=True,  # only the runner runs the served model
+                batch_invariant=settings.batch_invariant,
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc

@@ -78,6 +78,7 @@ class Settings:
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     cuda_graphs: bool = True  # on a GPU: decode steps replay CUDA graphs captured at start
+    batch_invariant: bool = False  # a request's tokens independent of its batch (see --help)
     hf_home: Path = Path.home() / ".cache" / "huggingface"
 
     @property
@@ -211,6 +212,10 @@ _HELP = {
     "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
     "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
+    "batch_invariant": "a request's tokens (greedy, or seeded sampling) are the same alone or "
+    "in any batch, with or without prefix-cache hits, and after a preemption: each matmul runs "
+    "one row-invariant kernel at every row count and every token attends as a decode row "
+    "(native attention); the cost is in README's sampling section",
     "cuda_graphs": "on a GPU, replay a CUDA graph captured at start for each step of decode "
     "rows only (one launch instead of ~9 a layer); off: every step launches its kernels",
 }

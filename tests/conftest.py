@@ -118,6 +118,18 @@ def tiny_gptq_dir(workdir: Path, tiny_dense_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_bf16_dir(workdir: Path, tokenizer_dir: Path) -> Path:
+    """A random-weight GPTQ checkpoint of the tiny shape with bf16 tensors (the CPU's native
+    attention and layer kernels serve it), written directly: no quantization run."""
+    from load.random_gptq import SHAPES, Layout, write_checkpoint
+
+    return built_once(
+        workdir / "tiny-gptq-bf16",
+        lambda out: write_checkpoint(out, SHAPES["tiny"], Layout(4, 32), tokenizer_dir, seed=11),
+    )
+
+
+@pytest.fixture(scope="session")
 def server(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
     """The real predictor (`python -m predictor`) on the tiny GPTQ model, on loopback ports."""
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--max-tokens-limit", "512"]) as proc:

@@ -29,12 +29,19 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import native
-from predictor.engine.runners.int4_linear import Int4Linear, Kernel, head_candidates
+from predictor.engine.runners.int4_linear import (
+    ROWWISE,
+    Int4Linear,
+    Kernel,
+    head_candidates,
+    row_invariant,
+    rowwise,
+)
 
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 4  # of the cache file's contents and the choosing rule (4: the cut, CUT)
+VERSION = 5  # of the cache file's contents and the choosing rule (5: --batch-invariant)
 ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
@@ -92,12 +99,18 @@ def tune(
     threads: int,
     cache_dir: Path | None,
     forced: str = "auto",
+    invariant: bool = False,
 ) -> tuple[Choices, Kernel]:
     """Choose and install a plan on every layer of `linears` (named by kind: qkv, o, ...), and
     the lm_head kernel; returns the choices and the head's per-bucket dispatcher. `forced`: a
-    fused kernel name every projection uses at every row count (only lm_head is measured)."""
+    fused kernel name every projection uses at every row count (only lm_head is measured).
+    `invariant` (--batch-invariant): each matmul gets one kernel for every row count, among
+    those whose rows come out the same whatever rows share the call (checked here, on this
+    machine); where none is, one called a row at a time."""
     groups = _groups(linears, names)
     heads = head_candidates(head)
+    if invariant:
+        heads |= {ROWWISE + name: _rowwise_factory(make) for name, make in heads.items()}
     weight = getattr(head, "weight", None)
     head_name = "lm_head " + ("x".join(str(d) for d in weight.shape) if weight is not None else "?")
     identity = {
@@ -105,7 +118,10 @@ def tune(
         **cpu_identity(),
         "threads": threads,
         "forced": forced,
-        "groups": {key: group[0].candidates() for key, group in groups.items()},
+        "invariant": invariant,
+        "groups": {
+            key: _with_rowwise(group[0].candidates(), invariant) for key, group in groups.items()
+        },  # fmt: skip
         "head": [head_name, str(getattr(weight, "dtype", "")), sorted(heads)],
         "source": _source_digest(),
     }
@@ -114,13 +130,21 @@ def tune(
     if cached is not None:
         choices = cached
     else:
-        choices = _measure(groups, heads, head_name, forced)
+        choices = _measure(groups, heads, head_name, forced, invariant)
         _write_cache(cache_dir, key, identity, choices)
     for name, group in groups.items():
         for layer in group:
             layer.use(choices.plans[name])
     built = {name: make() for name, make in heads.items() if _chosen(choices, head_name, name)}
     return choices, _dispatch([(rows, built[name]) for rows, name in choices.plans[head_name]])
+
+
+def _with_rowwise(names: list[str], invariant: bool) -> list[str]:
+    return names + [ROWWISE + name for name in names] if invariant else names
+
+
+def _rowwise_factory(make: Callable[[], Kernel]) -> Callable[[], Kernel]:
+    return lambda: rowwise(make())
 
 
 def _chosen(choices: Choices, key: str, name: str) -> bool:
@@ -146,6 +170,7 @@ def _measure(
     heads: dict[str, Callable[[], Kernel]],
     head_name: str,
     forced: str,
+    invariant: bool = False,
 ) -> Choices:
     choices = Choices(source="forced" if forced != "auto" else "measured")
     started = time.perf_counter()
@@ -156,27 +181,41 @@ def _measure(
             choices.plans[key] = [(1, forced)]
             continue
         candidates = []
+        k = group[0].in_features
         for name in group[0].candidates():
             try:
-                group[0].kernel(name)
-                candidates.append(name)
+                kernel = group[0].kernel(name)
             except (ValueError, native.NativeUnavailable) as error:
                 logger.info("autotune: %s unavailable for %s: %s", name, key, error)
+                continue
+            if invariant and not row_invariant(kernel, k, generator):
+                logger.info("autotune: %s is not row-invariant for %s: not used", name, key)
+                continue
+            candidates.append(name)
+        if invariant and not candidates:  # none is: the fastest alone, one row at a time
+            candidates = [ROWWISE + name for name in group[0].candidates()[:1]]
         kernels = {name: [layer.kernel(name) for layer in group] for name in candidates}
-        k = group[0].in_features
-        choices.plans[key], choices.figures[key] = _buckets(kernels, k, generator)
+        choices.plans[key], choices.figures[key] = _buckets(kernels, k, generator, invariant)
         for layer in group:  # only the winners stay built
             layer.use(choices.plans[key])
     built: dict[str, list[Kernel]] = {}
-    for name, make in heads.items():
+    width = int(next(iter(groups.values()))[0].in_features) if groups else 0
+    weight_width = _head_width(heads) or width
+    plain = {n: make for n, make in heads.items() if not n.startswith(ROWWISE)}
+    for name, make in plain.items():
         try:
-            built[name] = [make()]
+            kernel = make()
         except ValueError as error:
             logger.info("autotune: lm_head %s unavailable: %s", name, error)
-    width = int(next(iter(groups.values()))[0].in_features) if groups else 0
-    weight_width = _head_width(heads)
+            continue
+        if invariant and not row_invariant(kernel, weight_width, generator):
+            logger.info("autotune: lm_head %s is not row-invariant: not used", name)
+            continue
+        built[name] = [kernel]
+    if invariant and not built:  # none is: the module itself, one row at a time
+        built[ROWWISE + "module"] = [heads[ROWWISE + "module"]()]
     choices.plans[head_name], choices.figures[head_name] = _buckets(
-        built, weight_width or width, generator
+        built, weight_width, generator, invariant
     )
     logger.info("autotune: %.1f s", time.perf_counter() - started)
     return choices
@@ -189,9 +228,11 @@ def _head_width(heads: dict[str, Callable[[], Kernel]]) -> int:
 
 
 def _buckets(
-    kernels: dict[str, list[Kernel]], k: int, generator: torch.Generator
+    kernels: dict[str, list[Kernel]], k: int, generator: torch.Generator, single: bool = False
 ) -> tuple[list[tuple[int, str]], dict[str, dict[str, float]]]:
-    """The fastest of `kernels` (each a list: one per layer) at each bucket's first row count."""
+    """The fastest of `kernels` (each a list: one per layer) at each bucket's first row count;
+    `single`: the one kernel that is fastest over all buckets (the least sum of its times
+    relative to each bucket's fastest), for every row count."""
     plan: list[tuple[int, str]] = []
     figures: dict[str, dict[str, float]] = {}
     if len(kernels) == 1:  # nothing to choose
@@ -214,6 +255,12 @@ def _buckets(
                 best = runner_up
         if not plan or plan[-1][1] != best:
             plan.append((rows, best))
+    if single:
+
+        def relative(name: str) -> float:
+            return sum(t[name] / min(t.values()) for t in figures.values() if name in t)
+
+        return [(1, min(kernels, key=relative))], figures
     return plan, figures
 
 

@@ -90,7 +90,9 @@ class Int4Linear(torch.nn.Module):
         naming why where it cannot run here (native.NativeUnavailable where it fails to build)."""
         name = resolve_kernel(name)
         if name not in self._kernels:
-            if name == PREPACKED:
+            if name.startswith(ROWWISE):
+                self._kernels[name] = rowwise(self.kernel(name.removeprefix(ROWWISE)))
+            elif name == PREPACKED:
                 self._kernels[name] = self._prepacked()
             elif name.startswith("native_"):
                 self._kernels[name] = self._native(name)
@@ -113,13 +115,14 @@ class Int4Linear(torch.nn.Module):
             self._by_rows.append(kernels[[n for low, n in plan if low <= rows][-1]])
         self.plan = list(plan)
         self._kernels = {INT4_OP: self._int4_op, **kernels}
-        if not any(name.startswith("native_") for name in kernels) and self.qweight.numel():
+        bases = {name.removeprefix(ROWWISE) for name in kernels}  # what the kernels read
+        if not any(name.startswith("native_") for name in bases) and self.qweight.numel():
             self._native_weight = None
-        elif INT4_OP not in kernels and self.qweight.numel():
+        elif INT4_OP not in bases and self.qweight.numel():
             # the native layout serves: torch's int4pack copy goes (a later plan may then use
             # only the kernels built by now)
             self.qweight = torch.empty(0, dtype=self.qweight.dtype)
-            if PREPACKED not in kernels:  # nor do the scales and zeros, read only at building
+            if PREPACKED not in bases:  # nor do the scales and zeros, read only at building
                 self.scales_and_zeros = torch.empty(0, dtype=self.scales_and_zeros.dtype)
 
     def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +165,28 @@ class Int4Linear(torch.nn.Module):
             return out
 
         return run
+
+
+ROWWISE = "rows_"  # a kernel called one row at a time (row-invariant by construction)
+
+
+def rowwise(kernel: Kernel) -> Kernel:
+    """`kernel` on one row at a time: each row's result is what that row alone gives, whatever
+    rows share its call (for --batch-invariant, where no faster kernel is row-invariant)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([kernel(x[i : i + 1]) for i in range(x.shape[0])])
+
+    return run
+
+
+def row_invariant(kernel: Kernel, width: int, generator: torch.Generator) -> bool:
+    """Whether each row of `kernel`'s output is the same, bit for bit, whatever other rows share
+    the call: checked at the row counts the buckets start at, and odd ones between."""
+    x = (torch.randn((65, width), generator=generator) * 0.5).to(torch.bfloat16)
+    with torch.inference_mode():
+        full = kernel(x)
+        return all(torch.equal(kernel(x[:rows]), full[:rows]) for rows in (1, 2, 3, 8, 15, 16, 33))
 
 
 def resolve_kernel(name: str) -> str:

@@ -57,6 +57,7 @@ class ModelRunner:
         kernel: str = "auto",
         autotune_cache: Path | None = None,
         release_model_weights: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         """`attention`: how decode rows attend. "native": the C kernel of native.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
@@ -69,7 +70,12 @@ class ModelRunner:
         `release_model_weights`: once tuned, empty the model's own 4-bit modules where every
         layer is fused (the runner reads only its own layouts; about 75 MB for SmolLM2-135M):
         the model's forward no longer works then. For a server, whose model only the runner
-        runs."""
+        runs.
+
+        `batch_invariant`: a request's tokens do not depend on what else is batched with it, on
+        prefix-cache hits or on preemption: each matmul runs one row-invariant kernel at every
+        row count (autotune.py checks which are, here), and with native attention every token
+        attends as a decode row, prompt chunks too (plan.py, `queries_as_decode`)."""
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -112,6 +118,7 @@ class ModelRunner:
             except NativeUnavailable as error:
                 raise ValueError(f"kernel {kernel} is unavailable: {error}") from error
         self.kernel = kernel
+        self.batch_invariant = batch_invariant
         self._autotune_cache = autotune_cache
         self._release_model_weights = release_model_weights
         self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
@@ -131,6 +138,13 @@ class ModelRunner:
             pool[:, slots].zero_()
         self._pad_slot = slots
         self._native = self._native_attention(attention, dtype)
+        if batch_invariant and self._native is None:
+            logger.warning(
+                "--batch-invariant: the kernels are row-invariant, but attention is torch's "
+                "(native attention needs a bf16 model on the CPU and a C compiler): prompt "
+                "chunks and decode rows attend by different code, so prefix-cache hits and "
+                "preemption may change a request's tokens"
+            )
         # with native attention, the layers' norms, rotary + cache write and SwiGLU too
         self._ops: LayerKernels | None = None
         if self._native is not None:
@@ -195,7 +209,7 @@ class ModelRunner:
                     logger.info("native %s matmul ready (%s)", name, library.describe())
         self.choices, self._head = autotune.tune(
             linears, [kind for _, kind in fused], self._lm_head, threads,
-            self._autotune_cache, self.kernel,
+            self._autotune_cache, self.kernel, self.batch_invariant,
         )  # fmt: skip
         release_repack_tables()
         autotune.log_choices(self.choices, threads)
@@ -229,6 +243,7 @@ class ModelRunner:
             self.device,
             self._native is not None,
             self.heads // self.kv_heads,
+            queries_as_decode=self.batch_invariant,
         )
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence

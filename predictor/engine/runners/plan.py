@@ -19,7 +19,7 @@ class StepPlan:
     ids: list[int]
     positions: list[int]
     write_slots: torch.Tensor  # [N]: the cache slot of every fed token
-    decode_rows: int  # the first decode_rows rows feed one token each
+    decode_rows: int  # the first decode_rows tokens attend as decode rows (one query each)
     decode_slots: torch.Tensor  # [d, L]: each decode row's slots for positions 0..L-1
     decode_bias: torch.Tensor  # [d, 1, L] float32: 0 where a key exists, -inf past the row's end
     # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
@@ -38,7 +38,12 @@ class StepPlan:
         device: torch.device,
         native: bool = False,
         group: int = 1,
+        queries_as_decode: bool = False,
     ) -> StepPlan:
+        """`queries_as_decode` (with `native`): every fed token attends as a decode row of its
+        own (its row's blocks, keys up to its position), prompt chunks too, so a token's
+        attention is computed the same way whether it was decoded, prefilled in any chunk, or
+        recomputed after a preemption (batch invariance: the runner's --batch-invariant)."""
         ids: list[int] = []
         positions: list[int] = []
         writes: list[int] = []
@@ -57,6 +62,11 @@ class StepPlan:
                 logit_rows.extend(range(first, first + count))
             elif row.logits:
                 logit_rows.append(first + count - 1)
+            if queries_as_decode and native:
+                decode_rows += count
+                decode_tables.extend([list(row.blocks)] * count)
+                decode_lengths.extend(range(row.start + 1, end + 1))
+                continue
             if count == 1 and row.start > 0 and not prefills:
                 decode_rows += 1
                 decode_tables.append(list(row.blocks))

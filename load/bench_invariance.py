@@ -1,0 +1,119 @@
+"""The cost of --batch-invariant (a script, not a test): tokens/s at C=1 and C=16 and a long
+prompt's time to first token, the default engine against the batch-invariant one, interleaved
+in one run on the default model; and how many of 16 requests differ alone and batched.
+
+    .venv/bin/python -m load.bench_invariance [--model-dir models/smollm2-135m-instruct-gptq]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "went", "home", "to", "sleep"]
+
+
+def engine(model_dir: Path, invariant: bool, threads: int) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    from predictor.__main__ import build_engine
+    from predictor.config import Settings
+    from predictor.model.loader import load_checkpoint
+    from predictor.observability.metrics import Metrics
+
+    loaded = load_checkpoint(model_dir, device="cpu", threads=1)
+    settings = Settings(max_batch_size=16, batch_invariant=invariant, threads=threads,
+                        autotune_cache="")  # fmt: skip
+    made = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
+    made.start()
+    while not made.ready():
+        time.sleep(0.05)
+    return made
+
+
+async def tokens(made: Any, prompt: str, params: Any, rid: str) -> list[int]:
+    from predictor.types import GenerateRequest
+
+    out: list[int] = []
+    async for event in made.generate(GenerateRequest(rid, prompt, params)):
+        out.extend(event.token_ids)
+    return out
+
+
+async def rate(made: Any, concurrency: int) -> float:
+    from predictor.types import SamplingParams
+
+    params = SamplingParams(max_tokens=96, ignore_eos=True)
+    started = time.perf_counter()
+    runs = [tokens(made, f"Tell me about item {i}.", params, f"r{i}") for i in range(concurrency)]
+    made_tokens = sum(len(t) for t in await asyncio.gather(*runs))
+    return made_tokens / (time.perf_counter() - started)
+
+
+async def first_token(made: Any, words: int) -> float:
+    from predictor.types import SamplingParams
+
+    prompt = f"{time.time()} " + " ".join(["word"] * words)  # a new prompt: no cached prefix
+    started = time.perf_counter()
+    await tokens(made, prompt, SamplingParams(max_tokens=1), "long")
+    return time.perf_counter() - started
+
+
+async def differing(made: Any) -> tuple[int, int]:
+    from predictor.types import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 80))) for _ in range(16)]
+    found = []
+    for seeded in (False, True):
+
+        def params(i: int, seeded: bool = seeded) -> Any:
+            return SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8 if seeded else 0,
+                                  seed=i if seeded else None)  # fmt: skip
+
+        alone = [await tokens(made, p, params(i), f"a{i}") for i, p in enumerate(prompts)]
+        batched = await asyncio.gather(
+            *(tokens(made, p, params(i), f"b{i}") for i, p in enumerate(prompts))
+        )
+        found.append(sum(a != b for a, b in zip(alone, batched, strict=True)))
+    return found[0], found[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=Path("models/smollm2-135m-instruct-gptq"))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--long-prompt", type=int, default=1500)
+    args = parser.parse_args()
+    engines = {mode: engine(args.model_dir, mode, args.threads) for mode in (False, True)}
+    best: dict[tuple[int, bool], float] = {}
+    try:
+        for _ in range(args.rounds):
+            for concurrency in (1, 16):
+                for mode, made in engines.items():
+                    got = asyncio.run(rate(made, concurrency))
+                    best[concurrency, mode] = max(best.get((concurrency, mode), 0.0), got)
+        ttft = {mode: min(asyncio.run(first_token(made, args.long_prompt)) for _ in range(2))
+                for mode, made in engines.items()}  # fmt: skip
+        differ = {mode: asyncio.run(differing(made)) for mode, made in engines.items()}
+    finally:
+        for made in engines.values():
+            made.stop()
+    for concurrency in (1, 16):
+        default, invariant = best[concurrency, False], best[concurrency, True]
+        print(f"C={concurrency}: default {default:.1f} tok/s, batch-invariant {invariant:.1f} "
+              f"tok/s ({invariant / default:.2f}x)")  # fmt: skip
+    print(f"first token of a {args.long_prompt}-word prompt: default {ttft[False]:.2f} s, "
+          f"batch-invariant {ttft[True]:.2f} s")  # fmt: skip
+    for mode, (greedy, seeded) in differ.items():
+        name = "batch-invariant" if mode else "default"
+        print(f"{name}: of 16 requests, {greedy} greedy and {seeded} seeded differ alone/batched")
+
+
+if __name__ == "__main__":
+    main()
