@@ -104,6 +104,7 @@ def _dropped(schema: dict[str, Any]) -> str | None:
     return None
 
 
+JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
 _BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"))
 
 
@@ -117,6 +118,10 @@ def _empty(schema: dict[str, Any]) -> str | None:
     for key in ("anyOf", "enum", "type"):
         if schema.get(key) == []:
             return f"'{key}' is an empty list, so no value satisfies it"
+    kinds = schema.get("type")
+    for kind in kinds if isinstance(kinds, list) else [kinds] if kinds is not None else []:
+        if kind not in JSON_TYPES:
+            return f"'type' {kind!r} is not a JSON schema type ({', '.join(JSON_TYPES)})"
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
         return (
