@@ -1,14 +1,16 @@
 """Grammar-constrained decoding with xgrammar: compiling a request's grammar, one matcher per row.
 
-`Grammars` compiles (off the step loop: `AsyncEngine.generate_all` calls it in its worker
-thread) and caches compiled grammars by their text in a bounded LRU. A `Matcher` follows one
-row: the sampler asks it for the allowed-token bitmask (`fill`) in the batched sampling pass,
-the step loop feeds it each accepted token (`accept`) and ends the row once it is `finished`.
-Rows without a grammar never meet this module.
+`Grammars` compiles on a pool of its own (never the step loop, never the pool that tokenizes;
+`AsyncEngine.generate_all` awaits `compile_async`), bounded in time and in compiles at once,
+and caches compiled grammars by their text. A `Matcher` follows one row: the sampler asks it
+for the allowed-token bitmask (`fill`) in the batched sampling pass, the step loop feeds it each
+accepted token (`accept`) and ends the row once it is `finished`. Rows without a grammar never
+meet this module.
 
-A JSON schema keyword outside `SCHEMA_KEYWORDS`, one xgrammar would drop where it stands
-(`check_schema`), a regex or EBNF grammar xgrammar cannot compile: `InvalidRequest` naming the
-request's key, never unconstrained text.
+What cannot be enforced or satisfied is `InvalidRequest` naming the request's key, never
+unconstrained text nor a fault of the model: a JSON schema `schema_check.py` refuses, a regex or
+EBNF grammar xgrammar cannot compile (its message, without its internals), a grammar whose
+language `grammar_check.py` finds empty, one that no first token can begin.
 
 xgrammar 0.2.9 writes a string with `minLength`/`maxLength` as a bounded repeat of `[^"\\\r\n]`:
 raw control characters pass (JSON forbids them unescaped, RFC 8259 section 7, so the answer
@@ -25,148 +27,20 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeGuard
+from typing import Any
 
 import xgrammar as xgr
 
 from predictor.engine import tool_calls
 from predictor.engine.grammar_check import empty_rule
+from predictor.engine.schema_check import check_schema
 from predictor.errors import InvalidRequest, Overloaded
 from predictor.types import Grammar
 
-# JSON schema keywords xgrammar 0.2.9 enforces (the rest are refused, not ignored)
-SCHEMA_KEYWORDS = frozenset(
-    {
-        "type", "properties", "required", "additionalProperties", "items", "prefixItems",
-        "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
-        "pattern", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "title", "description", "default", "examples", "$schema", "$id",
-        "$comment",
-    }
-)  # fmt: skip
-_DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
-_NAMED = frozenset({"properties", "$defs", "definitions"})  # name -> schema maps
-# A schema with one of these is that branch alone: xgrammar drops any constraint beside it.
-_BRANCHES = ("$ref", "const", "enum", "anyOf")
-# Constraints xgrammar enforces only on a schema with a `type`, or whose keywords make it an
-# object or an array (`_SHAPES`); on any other it writes any JSON value and drops them.
-_SCALAR = frozenset(
-    {
-        "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "minItems", "maxItems",
-    }
-)  # fmt: skip
-_SHAPES = frozenset({"properties", "additionalProperties", "items", "prefixItems"})
-_CONSTRAINTS = _SCALAR | _SHAPES | {"required"}
 MAX_GRAMMAR_CHARS = 64 * 1024
 COMPILE_NICENESS = 10  # of the compile threads (0: as the rest of the server)
-
-
-def _subschemas(schema: Any, path: str) -> Iterator[tuple[dict[str, Any], str]]:
-    """(schema, where) for a JSON schema and every schema inside it."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            yield from _subschemas(item, f"{path}[{i}]")
-        return
-    if not isinstance(schema, dict):
-        return
-    yield schema, path
-    for key, value in schema.items():
-        if key in _DATA:
-            continue
-        if key in _NAMED and isinstance(value, dict):
-            for name, sub in value.items():
-                yield from _subschemas(sub, f"{path}/{key}/{name}")
-        elif isinstance(value, dict | list):
-            yield from _subschemas(value, f"{path}/{key}")
-
-
-def _dropped(schema: dict[str, Any]) -> str | None:
-    """Why xgrammar would not enforce one of this schema's own keywords, if it would not."""
-    keys = set(schema)
-    branches = [k for k in _BRANCHES if k in keys]
-    beside = sorted(_CONSTRAINTS & keys)
-    if branches and (len(branches) > 1 or beside):
-        other = branches[1] if len(branches) > 1 else beside[0]
-        return f"'{other}' beside '{branches[0]}' is not enforced (put it inside the branch)"
-    if "pattern" in keys and {"minLength", "maxLength"} & keys:
-        return "'pattern' with 'minLength'/'maxLength' is not enforced (fold the length into it)"
-    required, properties = schema.get("required"), schema.get("properties")
-    listed = properties if isinstance(properties, dict) else {}
-    unlisted = [n for n in required if n not in listed] if isinstance(required, list) else []
-    if unlisted:
-        return f"required property '{unlisted[0]}' is not in 'properties', so is not enforced"
-    untyped = sorted(_SCALAR & keys)
-    if "type" not in keys and not branches and untyped and not _SHAPES & keys:
-        return f"'{untyped[0]}' needs a 'type' beside it to be enforced"
-    return None
-
-
-JSON_TYPES = ("string", "number", "integer", "boolean", "object", "array", "null")
-_BOUNDS = (("minLength", "maxLength"), ("minItems", "maxItems"), ("minimum", "maximum"))
-
-
-def _number(value: Any) -> TypeGuard[float]:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _empty(schema: dict[str, Any]) -> str | None:
-    """Why no value satisfies this schema on its own keywords, or what it points at that is
-    not in the document, if so (xgrammar would serve such a schema unconstrained or as "")."""
-    for key in ("anyOf", "enum", "type"):
-        if schema.get(key) == []:
-            return f"'{key}' is an empty list, so no value satisfies it"
-    kinds = schema.get("type")
-    for kind in kinds if isinstance(kinds, list) else [kinds] if kinds is not None else []:
-        if kind not in JSON_TYPES:
-            return f"'type' {kind!r} is not a JSON schema type ({', '.join(JSON_TYPES)})"
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and not ref.startswith("#"):
-        return (
-            f"'$ref' {ref!r} points outside the schema (only references within it, "
-            "'#/...', are followed)"
-        )
-    for low, high in _BOUNDS:
-        a, b = schema.get(low), schema.get(high)
-        if _number(a) and _number(b) and a > b:
-            return f"'{low}' {a} is greater than '{high}' {b}, so no value satisfies both"
-    a, b = schema.get("exclusiveMinimum"), schema.get("exclusiveMaximum")
-    if _number(a) and _number(b) and a >= b:
-        return f"'exclusiveMinimum' {a} is not below 'exclusiveMaximum' {b}: no value fits"
-    required, properties = schema.get("required"), schema.get("properties")
-    if isinstance(required, list) and isinstance(properties, dict):
-        for name in required:
-            if properties.get(name) is False:
-                return f"required property '{name}' has the schema false: no value satisfies it"
-    prefix = schema.get("prefixItems")
-    least = schema.get("minItems")
-    if schema.get("items") is False and _number(least):
-        allowed = len(prefix) if isinstance(prefix, list) else 0
-        if least > allowed:
-            return f"'minItems' {least} but 'items' is false after {allowed} items"
-    return None
-
-
-def check_schema(schema: Any, param: str) -> None:
-    """Refuse a JSON schema with a keyword the library would not enforce, or one no value
-    satisfies, naming the keyword and where it stands (#/properties/a/...)."""
-    if schema is False:
-        raise InvalidRequest(f"'{param}': the schema false admits no value", param=param)
-    if not isinstance(schema, dict | bool):
-        raise InvalidRequest(f"'{param}': a JSON schema must be an object", param=param)
-    for sub, where in _subschemas(schema, "#"):
-        for key in sub:
-            if key not in SCHEMA_KEYWORDS:
-                raise InvalidRequest(
-                    f"'{param}': JSON schema keyword '{key}' (at {where}) is not supported by "
-                    "this server's constrained decoding",
-                    param=param,
-                )
-        why = _dropped(sub) or _empty(sub)
-        if why:
-            raise InvalidRequest(f"'{param}': at {where}, {why}", param=param)
 
 
 # A length-bounded string's character as xgrammar 0.2.9 prints it, and what it should be.

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from predictor.engine.runners.int4_linear import row_invariant
+from predictor.engine.runners.invariance import row_invariant
 from predictor.engine.runners.model import ModelRunner
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams

@@ -14,7 +14,8 @@ import xgrammar as xgr
 
 from predictor.engine import tool_calls
 from predictor.engine.client import complete
-from predictor.engine.grammar import Grammars, check_schema
+from predictor.engine.grammar import Grammars
+from predictor.engine.schema_check import check_schema
 from predictor.errors import InvalidRequest
 from predictor.types import FinishReason, GenerateRequest, Grammar, SamplingParams
 from tests.engine.conftest import Tiny, new_loop

@@ -29,14 +29,8 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import native
-from predictor.engine.runners.int4_linear import (
-    ROWWISE,
-    Int4Linear,
-    Kernel,
-    head_candidates,
-    row_invariant,
-    rowwise,
-)
+from predictor.engine.runners.int4_linear import Int4Linear, Kernel, head_candidates
+from predictor.engine.runners.invariance import ROWWISE, row_invariant, rowwise
 
 logger = logging.getLogger(__name__)
 

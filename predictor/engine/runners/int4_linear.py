@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import internals, native
+from predictor.engine.runners.invariance import ROWWISE, rowwise
 
 INT4_OP, PREPACKED = "int4_op", "prepacked_bf16"
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # [N, K] bf16 -> [N, out] bf16
@@ -165,28 +166,6 @@ class Int4Linear(torch.nn.Module):
             return out
 
         return run
-
-
-ROWWISE = "rows_"  # a kernel called one row at a time (row-invariant by construction)
-
-
-def rowwise(kernel: Kernel) -> Kernel:
-    """`kernel` on one row at a time: each row's result is what that row alone gives, whatever
-    rows share its call (for --batch-invariant, where no faster kernel is row-invariant)."""
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([kernel(x[i : i + 1]) for i in range(x.shape[0])])
-
-    return run
-
-
-def row_invariant(kernel: Kernel, width: int, generator: torch.Generator) -> bool:
-    """Whether each row of `kernel`'s output is the same, bit for bit, whatever other rows share
-    the call: checked at the row counts the buckets start at, and odd ones between."""
-    x = (torch.randn((65, width), generator=generator) * 0.5).to(torch.bfloat16)
-    with torch.inference_mode():
-        full = kernel(x)
-        return all(torch.equal(kernel(x[:rows]), full[:rows]) for rows in (1, 2, 3, 8, 15, 16, 33))
 
 
 def resolve_kernel(name: str) -> str:

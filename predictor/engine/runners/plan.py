@@ -13,6 +13,33 @@ from predictor.engine.step import StepRow
 
 
 @dataclass
+class FlatStep:
+    """A step's tokens as one flat sequence, on the host: what every runner feeds."""
+
+    ids: list[int]
+    positions: list[int]
+    writes: list[int]  # the cache slot of every fed token
+    logit_rows: list[int]  # flat indexes of the tokens whose logits the step returns
+    firsts: list[int]  # the flat index of each row's first token
+
+
+def flatten(rows: Sequence[StepRow], block_size: int) -> FlatStep:
+    flat = FlatStep([], [], [], [], [])
+    for row in rows:
+        count, end = len(row.tokens), row.start + len(row.tokens)
+        first = len(flat.ids)
+        flat.firsts.append(first)
+        flat.ids.extend(row.tokens)
+        flat.positions.extend(range(row.start, end))
+        flat.writes.extend(slots_of(row.blocks, row.start, end, block_size))
+        if row.all_logits:
+            flat.logit_rows.extend(range(first, first + count))
+        elif row.logits:
+            flat.logit_rows.append(first + count - 1)
+    return flat
+
+
+@dataclass
 class StepPlan:
     """Index tensors of one step, built once and shared by every layer."""
 
@@ -44,24 +71,13 @@ class StepPlan:
         own (its row's blocks, keys up to its position), prompt chunks too, so a token's
         attention is computed the same way whether it was decoded, prefilled in any chunk, or
         recomputed after a preemption (batch invariance: the runner's --batch-invariant)."""
-        ids: list[int] = []
-        positions: list[int] = []
-        writes: list[int] = []
-        logit_rows: list[int] = []
+        flat = flatten(rows, block_size)
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         decode_rows = 0
-        for row in rows:
+        for row, first in zip(rows, flat.firsts, strict=True):
             count, end = len(row.tokens), row.start + len(row.tokens)
-            first = len(ids)
-            ids.extend(row.tokens)
-            positions.extend(range(row.start, end))
-            writes.extend(_slots(row.blocks, row.start, end, block_size))
-            if row.all_logits:
-                logit_rows.extend(range(first, first + count))
-            elif row.logits:
-                logit_rows.append(first + count - 1)
             if queries_as_decode and native:
                 decode_rows += count
                 decode_tables.extend([list(row.blocks)] * count)
@@ -72,7 +88,7 @@ class StepPlan:
                 decode_tables.append(list(row.blocks))
                 decode_lengths.append(end)
                 continue
-            slots = torch.tensor(_slots(row.blocks, 0, end, block_size), device=device)
+            slots = torch.tensor(slots_of(row.blocks, 0, end, block_size), device=device)
             mask = None
             if row.start:  # query i (position start + i) sees keys 0..start + i
                 keys_at = torch.arange(end, device=device)
@@ -108,18 +124,18 @@ class StepPlan:
                 decode_slots = decode_slots.masked_fill(missing, pad_slot)
                 decode_bias = decode_bias.masked_fill(missing.unsqueeze(1), -torch.inf)
         return cls(
-            ids,
-            positions,
-            torch.tensor(writes, dtype=torch.long, device=device),
+            flat.ids,
+            flat.positions,
+            torch.tensor(flat.writes, dtype=torch.long, device=device),
             decode_rows,
             decode_slots,
             decode_bias,
             prefills,
-            logit_rows,
+            flat.logit_rows,
             native_args,
         )
 
 
-def _slots(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+def slots_of(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of positions [start, end) of a row with this block table."""
     return [blocks[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]

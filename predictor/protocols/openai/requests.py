@@ -11,7 +11,6 @@ response shapes are in `protocols/openai/responses.py`, the routes in `serving/r
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -36,6 +35,7 @@ from predictor.protocols.openai.messages import (
     tool_setup,
 )
 from predictor.protocols.openai.messages import Strict as _Strict
+from predictor.protocols.openai.validation import param_of, telling_error
 from predictor.types import GenerateRequest, SamplingParams
 
 MAX_CHOICES = 16  # n, and the number of prompts in one completions request
@@ -130,55 +130,6 @@ def _without_refused(body: Any, taken: frozenset[str] = frozenset()) -> dict[str
     return kept
 
 
-def _param(loc: tuple[int | str, ...], names: frozenset[str]) -> str:
-    """A pydantic error location as OpenAI names a param: messages[2].content."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in names:  # skips pydantic's union-member tags ('str', 'list[str]', ...)
-            out += f".{part}" if out else part
-    return out
-
-
-def _telling_error(exc: ValidationError) -> Any:
-    """The error to show. Where a union's alternatives all failed, pydantic lists one error per
-    alternative, and the first is often one the input was never meant as (a list of content
-    parts told "Input should be a valid string"). The alternative that got furthest into the
-    input (the longest location) is the one meant; where several errors tie, the field they
-    share is named, with what is wrong at each place inside it."""
-    errors = exc.errors()
-    deepest = max(len(e["loc"]) for e in errors)
-    tied = [e for e in errors if len(e["loc"]) == deepest]
-    places = [
-        _param(e["loc"], _FIELD_NAMES | ({str(e["loc"][-1])} if e["type"] == "extra_forbidden"
-                                         else set()))
-        for e in tied
-    ]  # fmt: skip
-    if len(tied) == 1 or tied[0]["type"] == "extra_forbidden":
-        return tied[0]
-    shared = places[0]
-    for place in places[1:]:
-        while not (place == shared or place.startswith((f"{shared}.", f"{shared}["))):
-            shared = shared[: max(shared.rfind("."), shared.rfind("["), 0)]
-    said: list[str] = []
-    for place, error in zip(places, tied, strict=True):
-        inside = place[len(shared) :].lstrip(".")
-        msg = str(error["msg"])
-        line = f"{inside}: {msg[0].lower()}{msg[1:]}" if inside else msg
-        if line not in said:
-            said.append(line)
-    return {"loc": tuple(_loc_of(shared)), "type": "union", "msg": " or ".join(said)}
-
-
-def _loc_of(param: str) -> list[str | int]:
-    """A param (messages[0].content) back as a location _param reads the same."""
-    loc: list[str | int] = []
-    for name, index in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]", param):
-        loc.append(name if name else int(index))
-    return loc
-
-
 _FIELD_NAMES = frozenset(
     name
     for model in (
@@ -211,12 +162,12 @@ def _validate(
     try:
         return model.model_validate(rest), values
     except ValidationError as exc:
-        error = _telling_error(exc)
+        error = telling_error(exc, _FIELD_NAMES)
         loc = error["loc"]
         if error["type"] == "extra_forbidden":  # the unknown key itself is the last part
-            param = _param(loc, _FIELD_NAMES | {str(loc[-1])})
+            param = param_of(loc, _FIELD_NAMES | {str(loc[-1])})
             raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
-        param = _param(loc, _FIELD_NAMES)
+        param = param_of(loc, _FIELD_NAMES)
         raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
 
 
@@ -354,8 +305,8 @@ def _strict(model: type[Body2], body: Any) -> Body2:
     try:
         return model.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as exc:
-        error = _telling_error(exc)
-        param = _param(error["loc"], _FIELD_NAMES | {"tokens", "prompt", str(error["loc"][-1])})
+        error = telling_error(exc, _FIELD_NAMES)
+        param = param_of(error["loc"], _FIELD_NAMES | {"tokens", "prompt", str(error["loc"][-1])})
         raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
 
 

@@ -20,7 +20,6 @@ Llama-family decoders (the CPU runner's families), read by model/gptq.py (GPTQLi
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,8 +29,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from predictor.engine.runners.cuda import attention as paths
 from predictor.engine.runners.cuda import autotune, triton_ops
 from predictor.engine.runners.cuda.linear import CudaLinear, fuse
+from predictor.engine.runners.plan import flatten, slots_of
 from predictor.engine.step import StepRow
 from predictor.errors import UnsupportedModel
 
@@ -104,6 +105,8 @@ class CudaRunner:
         if self.head_dim & (self.head_dim - 1) or self.head_dim < 16:
             raise UnsupportedModel(f"head size {self.head_dim}: the GPU kernels take powers of 2")
         self.scale = float(self._layers[0].self_attn.scaling)
+        self._heads = paths.Heads(self.heads, self.kv_heads, self.head_dim, self.scale,
+                                      block_size)  # fmt: skip
         self._embed = decoder.embed_tokens.weight
         self._head = model.lm_head.weight  # [V, hidden]
         self._qkv, self._o, self._gate_up, self._down = [], [], [], []
@@ -174,7 +177,11 @@ class CudaRunner:
             self.choices = autotune.tune(linears, names, self.max_step_tokens)
             autotune.log_choices(self.choices)
             tuned = time.perf_counter()
-            self.attention = self._choose_attention()
+            self.attention = self._attention_choice
+            if self.attention == "auto":
+                self.attention = paths.choose(self._heads, self._pools[0],
+                                                  min(16, self.max_rows), self.num_blocks,
+                                                  self._pad_slot)  # fmt: skip
             if self._release:  # only the runner runs the served model: its own copies go
                 self._release_model_weights()
             if self._use_graphs:
@@ -227,9 +234,10 @@ class CudaRunner:
                     self.block_size, self.scale,
                 )  # fmt: skip
             elif d:
-                self._torch_decode(qkv[:d], pool, step.tables, step.lengths, out[:d])
+                paths.torch_decode(self._heads, qkv[:d], pool, step.tables, step.lengths,
+                                       out[:d], self._pad_slot)  # fmt: skip
             for first, count, start, slots in step.prefills:
-                self._prefill_attention(qkv, pool, first, count, start, slots, out)
+                paths.prefill(self._heads, qkv, pool, first, count, start, slots, out)
 
         normed = self._layer_stack(hidden, step.positions, step.slots, attend)
         if len(step.logit_rows) != normed.shape[0]:
@@ -261,48 +269,6 @@ class CudaRunner:
             normed = triton_ops.add_rms_norm(hidden, _project(self._down[index], act), weight, eps)
         return normed
 
-    def _prefill_attention(
-        self, qkv: torch.Tensor, pool: torch.Tensor, first: int, count: int, start: int,
-        slots: torch.Tensor, out: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """A prompt chunk's queries against the row's keys 0..start + count - 1 (torch SDPA)."""
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        rows = qkv[first : first + count, : heads * dim].view(count, heads, dim)
-        query = rows.transpose(0, 1).unsqueeze(0)  # [1, heads, count, dim]
-        kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, end, dim]
-        mask = None
-        if start:  # query i (position start + i) sees keys 0..start + i
-            end = start + count
-            keys_at = torch.arange(end, device=self.device)
-            queries_at = torch.arange(start, end, device=self.device).unsqueeze(1)
-            mask = (keys_at <= queries_at).view(1, 1, count, end)
-        attended = F.scaled_dot_product_attention(
-            query, kv[:, :kv_heads], kv[:, kv_heads:], attn_mask=mask, is_causal=mask is None,
-            scale=self.scale, enable_gqa=heads != kv_heads,
-        )  # fmt: skip
-        out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
-
-    def _torch_decode(
-        self, qkv: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
-        lengths: torch.Tensor, out: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """Decode attention in torch ops: each row's slots gathered, batched matmuls."""
-        d, kv_heads, dim = qkv.shape[0], self.kv_heads, self.head_dim
-        group = self.heads // kv_heads
-        longest = tables.shape[1] * self.block_size
-        offsets = torch.arange(self.block_size, device=self.device).repeat(tables.shape[1])
-        slots = (tables.long() * self.block_size).repeat_interleave(self.block_size, 1) + offsets
-        missing = torch.arange(longest, device=self.device) >= lengths.long().unsqueeze(1)
-        slots = slots.masked_fill(missing, self._pad_slot)  # [d, L]
-        bias = torch.zeros((d, 1, longest), device=self.device)
-        bias = bias.masked_fill(missing.unsqueeze(1), float("-inf"))
-        kv = pool.index_select(1, slots.view(-1)).view(2, kv_heads, d, longest, dim)
-        query = qkv[:, : self.heads * dim].reshape(d, kv_heads, group, dim).transpose(0, 1)
-        scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, d, G, L]
-        probs = torch.softmax(torch.add(bias, scores.float(), alpha=self.scale), -1)
-        attended = torch.matmul(probs.to(kv.dtype), kv[1])  # [kv_heads, d, G, dim]
-        out.copy_(attended.transpose(0, 1).reshape(d, self.heads * dim))
-
     # -- indexes to the device -----------------------------------------------------------------
     def _stage(self, values: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
         """int32 values -> the device (`into`, or a new tensor), through the pinned buffer, in
@@ -321,41 +287,27 @@ class CudaRunner:
         return into
 
     def _upload(self, rows: Sequence[StepRow], decode: int) -> _Step:
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        tables: list[list[int]] = []
-        lengths: list[int] = []
-        chunks: list[tuple[int, int, int, list[int]]] = []
-        size = self.block_size
-        for index, row in enumerate(rows):
-            count, end = len(row.tokens), row.start + len(row.tokens)
-            first = len(ids)
-            ids.extend(row.tokens)
-            positions.extend(range(row.start, end))
-            slots.extend(_slots(row.blocks, row.start, end, size))
-            if row.all_logits:
-                logit_rows.extend(range(first, first + count))
-            elif row.logits:
-                logit_rows.append(first + count - 1)
-            if index < decode:
-                tables.append(list(row.blocks))
-                lengths.append(end)
-            else:
-                chunks.append((first, count, row.start, _slots(row.blocks, 0, end, size)))
+        flat = flatten(rows, self.block_size)
+        tables = [list(row.blocks) for row in rows[:decode]]
+        lengths = [row.start + 1 for row in rows[:decode]]
+        chunks = [
+            (first, len(row.tokens), row.start,
+             slots_of(row.blocks, 0, row.start + len(row.tokens), self.block_size))
+            for row, first in zip(rows[decode:], flat.firsts[decode:], strict=True)
+        ]  # fmt: skip
         widest = max((len(t) for t in tables), default=0)
         table = np.zeros((len(tables), widest), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        parts: list[Any] = [ids, positions, slots, lengths, table.ravel(), *(c[3] for c in chunks)]
+        parts: list[Any] = [flat.ids, flat.positions, flat.writes, lengths, table.ravel(),
+                            *(c[3] for c in chunks)]  # fmt: skip
         sizes = [len(p) for p in parts]
         staged = self._stage(np.concatenate([np.asarray(p, dtype=np.int32) for p in parts]))
         views = list(staged.split(sizes))
         prefills = [(first, count, start, views[5 + i])
                     for i, (first, count, start, _) in enumerate(chunks)]  # fmt: skip
         return _Step(views[0], views[1], views[2], decode, views[4].view(len(tables), widest),
-                     views[3], prefills, logit_rows)  # fmt: skip
+                     views[3], prefills, flat.logit_rows)  # fmt: skip
 
     # -- decode graphs ---------------------------------------------------------------------------
     def _capture_graphs(self) -> None:
@@ -414,37 +366,6 @@ class CudaRunner:
         graph.graph.replay()
         return graph.logits[:count]
 
-    # -- attention by measurement ----------------------------------------------------------------
-    def _choose_attention(self) -> str:
-        """The paged Triton kernel or torch's gather for eager decode steps, by measurement at
-        16 rows of 512 keys (a graph always runs the kernel: its shapes must not move)."""
-        if self._attention_choice != "auto":
-            return self._attention_choice
-        rows, keys = min(16, self.max_rows), 512
-        per_row = -(-keys // self.block_size)
-        if rows * per_row > self.num_blocks:
-            return "triton"
-        tables = torch.arange(rows * per_row, dtype=torch.int32, device=self.device)
-        tables = tables.view(rows, per_row)
-        lengths = torch.full((rows,), keys, dtype=torch.int32, device=self.device)
-        qkv = torch.randn((rows, (self.heads + 2 * self.kv_heads) * self.head_dim),
-                          device=self.device).to(self.dtype)  # fmt: skip
-        out = torch.empty((rows, self.heads * self.head_dim), dtype=self.dtype, device=self.device)
-        pool = self._pools[0]
-        kernels = {
-            "triton": lambda: triton_ops.paged_decode_attention(
-                qkv, pool, tables, lengths, out, self.heads, self.kv_heads, self.block_size,
-                self.scale),
-            "torch": lambda: self._torch_decode(qkv, pool, tables, lengths, out),
-        }  # fmt: skip
-        figures = {name: _time_eager(run) for name, run in kernels.items()}
-        choice = min(figures, key=figures.__getitem__)
-        logger.info(
-            "GPU decode attention (eager steps): %s (%s at %d rows x %d keys)", choice,
-            ", ".join(f"{n} {t:.0f} us" for n, t in figures.items()), rows, keys,
-        )  # fmt: skip
-        return choice
-
 
 def _project(parts: list[CudaLinear], x: torch.Tensor) -> torch.Tensor:
     if len(parts) == 1:
@@ -460,21 +381,3 @@ def _decode_rows(rows: Sequence[StepRow]) -> int:
             break
         count += 1
     return count
-
-
-def _slots(blocks: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
-    return [blocks[pos // block_size] * block_size + pos % block_size for pos in range(start, end)]
-
-
-def _time_eager(run: Callable[[], None], repeats: int = 20) -> float:
-    """Microseconds a call takes, launches included (eager steps pay them)."""
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            run()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / repeats * 1e6)
-    return statistics.median(times)
