@@ -27,6 +27,10 @@ from predictor.errors import CheckpointError
 from predictor.model.layout import resolve_checkpoint_dir, served_name
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
 from predictor.observability.metrics import Metrics
+from predictor.observability.observer import Observer
+from predictor.observability.payloads import PayloadLog
+from predictor.observability.tenants import TenantLabels
+from predictor.observability.tracing import start_tracing
 from predictor.protocols.limits import Limits
 from predictor.serving.kserve_argv import hide_argv_from_kserve
 
@@ -112,6 +116,24 @@ def _cuda_runner(loaded: LoadedModel, settings: Settings, allocator: BlockAlloca
     )
 
 
+def build_observer(settings: Settings, metrics: Metrics) -> Observer:
+    """Metrics always; traces and payload records when configured (their threads start here)."""
+    tracing = None
+    if settings.otlp_traces_endpoint:
+        tracing = start_tracing(
+            settings.otlp_traces_endpoint, settings.otlp_traces_protocol, metrics.spans_dropped.inc
+        )
+    payloads = None
+    if settings.log_payloads != "off":
+        payloads = PayloadLog(
+            settings.payload_logger_url,
+            settings.log_payloads,
+            f"/models/{metrics.model_name}",
+            metrics.payloads_dropped.inc,
+        )
+    return Observer(metrics, TenantLabels(settings.max_tenant_labels), tracing, payloads)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
     # our INFO lines (kernel choices, memory, readiness) on stderr: configured here, at the edge
@@ -142,17 +164,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     from predictor.serving.app import PredictorServer
+    from predictor.serving.errors import count_errors
     from predictor.serving.model import LLMPredictor
 
     name = served_name(settings.model_name, model_dir)
     metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
+    observer = build_observer(settings, metrics)
     try:
         engine = build_engine(loaded, settings, metrics)
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
     limits = Limits(settings.default_max_tokens, settings.max_json_depth)
-    predictor = LLMPredictor(name, engine, limits, metrics)
+    predictor = LLMPredictor(name, engine, limits, observer)
+    count_errors(metrics.observe_error)
     predictor.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",
@@ -164,7 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # loaded: gc.collect() held the GIL, and so every stream, for 153 ms). vLLM does the same.
     gc.collect()
     gc.freeze()
-    server.start([predictor])
+    try:
+        server.start([predictor])
+    finally:
+        observer.close()  # what is queued goes out (bounded waits)
     return 0
 
 

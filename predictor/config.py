@@ -31,6 +31,13 @@ KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
 # how decode rows attend: on a CPU native (engine/runners/native.py) or torch; on a GPU triton
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")
+OTLP_PROTOCOLS = ("grpc", "http/protobuf")
+PAYLOAD_MODES = ("off", "hash", "full")
+# OpenTelemetry's standard variables, read when our own flag and PREDICTOR_* variable are unset
+OTEL_ENV = {
+    "otlp_traces_endpoint": ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+    "otlp_traces_protocol": ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+}
 
 
 SERVING_CORES = 1  # cores the default thread count leaves to serving (Settings.torch_threads)
@@ -79,6 +86,12 @@ class Settings:
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     cuda_graphs: bool = True  # on a GPU: decode steps replay CUDA graphs captured at start
     batch_invariant: bool = False  # a request's tokens independent of its batch (see --help)
+    otlp_traces_endpoint: str = ""  # "": no traces
+    otlp_traces_protocol: str = "grpc"
+    tenant_header: str = ""  # a header naming the request's tenant ("": OpenAI's user only)
+    max_tenant_labels: int = 64
+    log_payloads: str = "off"  # off | hash | full
+    payload_logger_url: str = ""
     hf_home: Path = Path.home() / ".cache" / "huggingface"
 
     @property
@@ -140,6 +153,17 @@ class Settings:
             )
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
+        if self.otlp_traces_protocol not in OTLP_PROTOCOLS:
+            raise ValueError(
+                f"--otlp-traces-protocol must be one of {', '.join(OTLP_PROTOCOLS)}, "
+                f"not {self.otlp_traces_protocol!r}"
+            )
+        if self.max_tenant_labels < 1:
+            raise ValueError("--max-tenant-labels must be >= 1")
+        if self.log_payloads not in PAYLOAD_MODES:
+            raise ValueError(f"--log-payloads must be one of {', '.join(PAYLOAD_MODES)}")
+        if self.log_payloads != "off" and not self.payload_logger_url:
+            raise ValueError("--log-payloads needs --payload-logger-url (where records go)")
 
 
 def _bool(text: str) -> bool:
@@ -216,9 +240,40 @@ _HELP = {
     "in any batch, with or without prefix-cache hits, and after a preemption: each matmul runs "
     "one row-invariant kernel at every row count and every token attends as a decode row "
     "(native attention); the cost is in README's sampling section",
+    "otlp_traces_endpoint": "send a trace span per request (OpenTelemetry's GenAI attributes, "
+    "vLLM's latency attributes) to this OTLP collector, e.g. http://otel-collector:4317; a "
+    'traceparent header or gRPC metadata makes it a child span ("": off; default from '
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT)",
+    "otlp_traces_protocol": "grpc or http/protobuf (default from "
+    "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL or OTEL_EXPORTER_OTLP_PROTOCOL)",
+    "tenant_header": "a request header (gRPC metadata key) naming the tenant a request is for, "
+    "e.g. x-tenant-id set by a gateway; it wins over OpenAI's user field. The tenant labels "
+    "the token and request counters and the traces",
+    "max_tenant_labels": "distinct tenant label values; later tenants are counted as other",
+    "log_payloads": "one record per request (ids, tenant, parameters, usage, latencies, finish "
+    "reason and the prompt and response: full text, their sha256 hashes, or off), sent as a "
+    "CloudEvent to --payload-logger-url",
+    "payload_logger_url": "where the payload records go: an HTTP CloudEvents sink, e.g. the URL "
+    "of a KServe InferenceService's logger",
     "cuda_graphs": "on a GPU, replay a CUDA graph captured at start for each step of decode "
     "rows only (one launch instead of ~9 a layer); off: every step launches its kernels",
 }
+
+
+def _otel_default(name: str, env: Mapping[str, str], default: str) -> str:
+    """OpenTelemetry's own variable for this setting. The generic OTEL_EXPORTER_OTLP_ENDPOINT
+    is a base URL: over http/protobuf the traces go to its /v1/traces (the specification)."""
+    specific, generic = OTEL_ENV[name]
+    if env.get(specific):
+        return env[specific]
+    value = env.get(generic, "")
+    if not value:
+        return default
+    if name == "otlp_traces_endpoint" and _otel_default("otlp_traces_protocol", env, "grpc") != (
+        "grpc"
+    ):
+        return value.rstrip("/") + "/v1/traces"
+    return value
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -235,6 +290,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         default = getattr(defaults, f.name)
         kind = type(default)
         convert = _bool if kind is bool else kind
+        if env_name not in env and f.name in OTEL_ENV:
+            default = _otel_default(f.name, env, default)
         if env_name in env:
             try:
                 default = convert(env[env_name])
@@ -245,7 +302,12 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             dest=f.name,
             type=convert,
             default=default,
-            choices={"kernel": KERNELS, "attention": ATTENTION}.get(f.name),
+            choices={
+                "kernel": KERNELS,
+                "attention": ATTENTION,
+                "otlp_traces_protocol": OTLP_PROTOCOLS,
+                "log_payloads": PAYLOAD_MODES,
+            }.get(f.name),
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
     return parser

@@ -84,19 +84,20 @@ class Status:
     http: int
     grpc: str  # the name of a grpc.StatusCode member (this module imports no grpc)
     client_fault: bool  # the message is the client's to read; else it is SERVER_FAULT
+    reason: str  # the error's kind on /metrics (predictor_request_errors_total{reason})
 
 
 # most specific first: the first class the error is an instance of decides
 STATUS_TABLE: tuple[tuple[type[PredictorError], Status], ...] = (
-    (BodyTooLarge, Status(413, "RESOURCE_EXHAUSTED", True)),
-    (InvalidRequest, Status(400, "INVALID_ARGUMENT", True)),
-    (Forbidden, Status(403, "PERMISSION_DENIED", True)),
-    (ModelMissing, Status(404, "NOT_FOUND", True)),
-    (Overloaded, Status(429, "RESOURCE_EXHAUSTED", True)),
-    (EngineUnavailable, Status(503, "UNAVAILABLE", True)),
-    (GenerationFailed, Status(500, "INTERNAL", True)),
+    (BodyTooLarge, Status(413, "RESOURCE_EXHAUSTED", True, "body_too_large")),
+    (InvalidRequest, Status(400, "INVALID_ARGUMENT", True, "invalid_request")),
+    (Forbidden, Status(403, "PERMISSION_DENIED", True, "forbidden")),
+    (ModelMissing, Status(404, "NOT_FOUND", True, "model_missing")),
+    (Overloaded, Status(429, "RESOURCE_EXHAUSTED", True, "overloaded")),
+    (EngineUnavailable, Status(503, "UNAVAILABLE", True, "engine_unavailable")),
+    (GenerationFailed, Status(500, "INTERNAL", True, "generation_failed")),
 )
-SERVER_FAULT_STATUS = Status(500, "INTERNAL", False)
+SERVER_FAULT_STATUS = Status(500, "INTERNAL", False, "internal")
 
 
 def status_of(exc: BaseException) -> Status:

@@ -97,6 +97,9 @@ class GenerateRequest:
     # send the prompt back (its text, and its tokens' logprobs when params.prompt_logprobs is
     # set) on the first event: OpenAI completions' echo
     echo: bool = False
+    # who the request is for (OpenAI's `user`; a gateway's tenant header wins over it): the
+    # tenant label of the token and request counters, and the traces' and payload records' too
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,16 @@ class PromptEcho:
 
 
 @dataclass(frozen=True)
+class RequestTimes:
+    """When the engine handled a request, on time.monotonic's clock (on its final event): the
+    traces' queue and prefill times and their preemption events."""
+
+    arrival: float
+    scheduled: float | None = None  # its first admission to the batch; None: it never ran
+    preempted: tuple[float, ...] = ()  # each time it gave its KV blocks back
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One step of one request: the new text (possibly empty while a stop prefix is held back).
 
@@ -166,6 +179,7 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token_ids entry, when the request asked
     prompt: PromptEcho | None = None  # on the first event, when the request asked for it
     error_param: str | None = None
+    times: RequestTimes | None = None  # on the final event of a request the engine queued
 
     @property
     def final(self) -> bool:

@@ -86,3 +86,21 @@ def test_a_bad_environment_value_is_a_usage_error_naming_it(
         Settings.from_sources([], {f"PREDICTOR_{name}": value})
     assert exit_.value.code == 2
     assert f"PREDICTOR_{name}={value!r} is not a valid" in capsys.readouterr().err
+
+
+def test_opentelemetry_variables_and_payload_settings() -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}  # fmt: skip
+    s = Settings.from_sources([], env)
+    assert (s.otlp_traces_endpoint, s.otlp_traces_protocol) == (
+        "http://collector:4318/v1/traces", "http/protobuf"
+    )  # fmt: skip
+    s = Settings.from_sources([], {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:1/x"})
+    assert s.otlp_traces_endpoint == "http://t:1/x"
+    s = Settings.from_sources(["--otlp-traces-endpoint", "http://a:4317"], env)
+    assert s.otlp_traces_endpoint == "http://a:4317"
+    assert Settings.from_sources([], {}).otlp_traces_endpoint == ""
+    with pytest.raises(ValueError, match="payload-logger-url"):
+        Settings.from_sources(["--log-payloads", "hash"], {})
+    with pytest.raises(SystemExit):
+        Settings.from_sources(["--log-payloads", "everything"], {})

@@ -13,6 +13,7 @@ from predictor.types import (
     FinishReason,
     PromptEcho,
     PromptToken,
+    RequestTimes,
     SamplingParams,
     TokenEvent,
     TokenLogprob,
@@ -45,6 +46,8 @@ class Sequence:
     registered: int = 0  # leading blocks of `blocks` offered to the prefix cache
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     preemptions: int = 0  # times this row gave its blocks back to be recomputed later
+    scheduled: float | None = None  # when it first got a row (time.monotonic)
+    preempted_at: list[float] = field(default_factory=list)  # when it gave its blocks back
     # echo: the prompt's text, sent back on the first event (with prompt_scores, if scored)
     prompt_text: str | None = None
     # prompt_logprobs: one entry per prompt token scored so far (the first has no logprob)
@@ -130,7 +133,7 @@ class Sequence:
         self.sink(
             TokenEvent(
                 self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt,
-                error_param,
+                error_param, RequestTimes(self.arrival, self.scheduled, tuple(self.preempted_at)),
             )
         )  # fmt: skip
 

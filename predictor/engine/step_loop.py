@@ -168,6 +168,7 @@ class StepLoop:
                 continue
             try:
                 seq.generator = make_generator(seq.params.seed, self.runner.device)
+                seq.scheduled = now
                 if self._on_admit is not None:
                     self._on_admit(now - seq.arrival)
                 if self._on_prefix_cache is not None and self.prefix_caching:
@@ -210,6 +211,7 @@ class StepLoop:
         self._free(seq)
         seq.cached = seq.registered = 0
         seq.preemptions += 1
+        seq.preempted_at.append(self._clock())
         self.scheduler.requeue(seq)
         if self._on_preempt is not None:
             self._on_preempt()

@@ -1,8 +1,11 @@
 """Every Prometheus collector, created once against a registry passed in.
 
 Served on KServe's `/metrics` (the default registry) by `python -m predictor`; tests pass their
-own registry. REST and gRPC, unary and streaming, are counted alike: each path wraps its event
-stream in `observe`.
+own registry. REST and gRPC, unary and streaming, are counted alike: each path's event stream
+passes through `observability/observer.py`, which feeds the request collectors here; the step
+loop feeds the batch, queue, prefix-cache and preemption ones; `serving/errors.py` counts every
+error it renders (`observe_error`). Token and request counters carry a `tenant` label (bounded:
+`observability/tenants.py`), so usage per team is one query.
 
 The queue, running and KV-cache gauges are what KEDA and the Gateway API Inference Extension's
 endpoint picker read; with `vllm_aliases` they are also exported under vLLM's names
@@ -16,21 +19,17 @@ num_gpu_blocks}`, read by the endpoint picker's prefix scorer).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from predictor.engine.client import Stream
-from predictor.errors import PredictorError
-from predictor.observability.statistics import InferenceStatistics, RequestTiming
-from predictor.types import FinishReason, TokenEvent
+from predictor.observability.statistics import InferenceStatistics
+from predictor.observability.tenants import NO_TENANT
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
-_SUCCEEDED = {FinishReason.LENGTH.value, FinishReason.EOS.value, FinishReason.STOP.value}
 
 
 def _event_loop_tasks() -> int:
@@ -83,15 +82,38 @@ class Metrics:
             labels, registry=registry, buckets=_BATCH_BUCKETS,
         )  # fmt: skip
         self.prompt_tokens = Counter(
-            "predictor_prompt_tokens", "Prompt tokens of finished requests.", labels,
-            registry=registry,
+            "predictor_prompt_tokens", "Prompt tokens of finished requests, by tenant.",
+            ["model", "tenant"], registry=registry,
         )  # fmt: skip
         self.generation_tokens = Counter(
-            "predictor_generation_tokens", "Tokens generated.", labels, registry=registry
-        )
+            "predictor_generation_tokens", "Tokens generated, by tenant.", ["model", "tenant"],
+            registry=registry,
+        )  # fmt: skip
         self.requests = Counter(
-            "predictor_requests", "Requests by protocol and finish reason.",
-            ["model", "protocol", "finish_reason"], registry=registry,
+            "predictor_requests",
+            "Requests that reached the engine, by protocol, finish reason (rejected: the engine "
+            "refused it) and tenant.",
+            ["model", "protocol", "finish_reason", "tenant"], registry=registry,
+        )  # fmt: skip
+        self.errors = Counter(
+            "predictor_request_errors",
+            "Requests answered with an error, by API (v2: V2 and OIP REST, openai, grpc) and "
+            "reason (errors.STATUS_TABLE's: invalid_request, overloaded, ..., internal).",
+            ["model", "api", "reason"], registry=registry,
+        )  # fmt: skip
+        self.ready = Gauge(
+            "predictor_model_ready", "1 while the model takes requests (readiness), else 0.",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.spans_dropped = Counter(
+            "predictor_otel_spans_dropped",
+            "Trace spans dropped: the export queue was full, or the collector failed or was "
+            "too slow.", registry=registry,
+        )  # fmt: skip
+        self.payloads_dropped = Counter(
+            "predictor_payload_records_dropped",
+            "Payload records dropped: the queue was full, or the sink failed.",
+            registry=registry,
         )  # fmt: skip
         self.running = Gauge(
             "predictor_num_requests_running", "Requests holding a batch row.", labels,
@@ -141,8 +163,14 @@ class Metrics:
                 "vllm:cache_config_info", "Same as predictor_cache_config_info (vLLM's name).",
                 _CACHE_LABELS, registry=registry,
             )  # fmt: skip
-        for counter in (self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions):
-            counter.labels(model_name)  # on /metrics at 0 from the start, as vLLM's are
+        # every series a dashboard plots is on /metrics from the start (counters at 0, as vLLM's)
+        for collector in (
+            self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions, self.ttft,
+            self.tpot, self.e2e, self.queue_time, self.batch_size,
+        ):  # fmt: skip
+            collector.labels(model_name)
+        self.prompt_tokens.labels(model_name, NO_TENANT)
+        self.generation_tokens.labels(model_name, NO_TENANT)
         for alias in self.counter_aliases.values():
             alias.labels(model_name)
         self.loop_tasks = Gauge(
@@ -151,6 +179,13 @@ class Metrics:
         )  # fmt: skip
         self.loop_tasks.set_function(_event_loop_tasks)
         self.statistics = InferenceStatistics()  # Triton's ModelStatistics, from the same events
+
+    def track_ready(self, ready: Callable[[], bool]) -> None:
+        self.ready.labels(self.model_name).set_function(lambda: float(ready()))
+
+    def observe_error(self, api: str, reason: str) -> None:
+        """Called by `serving/errors.py` for each error it renders."""
+        self.errors.labels(self.model_name, api, reason).inc()
 
     def track_engine(self, running: Callable[[], int], waiting: Callable[[], int]) -> None:
         self._track(self.running, "predictor_num_requests_running", running)
@@ -197,65 +232,3 @@ class Metrics:
         """Called by the step loop when a request gets its row."""
         self.queue_time.labels(self.model_name).observe(seconds)
         self.statistics.record_queue(seconds)
-
-    def observe(self, events: Stream, protocol: str) -> ObservedStream:
-        """Pass a request's events through, timing and counting them."""
-        return ObservedStream(self, events, protocol)
-
-
-class ObservedStream:
-    """A request's events, measured. A class rather than an async generator: closing it closes
-    the engine's stream (aborting the request) even if it was never iterated."""
-
-    def __init__(self, metrics: Metrics, events: Stream, protocol: str) -> None:
-        self._metrics = metrics
-        self._events = events
-        self._protocol = protocol
-        self._start = self._last = time.monotonic()
-        self._first_token: float | None = None
-        self._end: float | None = None
-        self._reason = "cancelled"
-        self._counted = False
-
-    def __aiter__(self) -> ObservedStream:
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        m, model = self._metrics, self._metrics.model_name
-        try:
-            event = await self._events.__anext__()
-        except PredictorError:
-            self._reason = "rejected"
-            await self.aclose()
-            raise
-        except BaseException:
-            await self.aclose()
-            raise
-        now = time.monotonic()
-        if event.token_ids:
-            hist = m.ttft if self._first_token is None else m.tpot
-            hist.labels(model).observe(now - self._last)
-            m.generation_tokens.labels(model).inc(len(event.token_ids))
-            self._first_token = now if self._first_token is None else self._first_token
-            self._last = now
-        if event.final and event.finish_reason is not None:
-            self._reason, self._end = event.finish_reason.value, now
-            m.e2e.labels(model).observe(now - self._start)
-            if event.usage is not None:
-                m.prompt_tokens.labels(model).inc(event.usage.prompt_tokens)
-        return event
-
-    async def aclose(self) -> None:
-        if not self._counted:
-            self._counted = True
-            m = self._metrics
-            m.requests.labels(m.model_name, self._protocol, self._reason).inc()
-            first = self._first_token
-            timing = RequestTiming(
-                self._reason in _SUCCEEDED,
-                (self._end or time.monotonic()) - self._start,
-                None if first is None else first - self._start,
-                None if first is None else self._last - self._start,
-            )
-            m.statistics.record_request(timing)
-        await self._events.aclose()

@@ -24,8 +24,9 @@ from predictor.serving.lifecycle import Drain, PredictorDataPlane
 from predictor.serving.probe_logs import quiet_probes
 from predictor.serving.rest import completions, oip
 from predictor.serving.rest.body import BodyGuard
+from predictor.serving.rest.meta import RequestMetaBinder
 from predictor.serving.rest.triton_admin import build_triton_router
-from predictor.serving.rpc.interceptors import DecodeGuard, StatusInterceptor
+from predictor.serving.rpc.interceptors import DecodeGuard, MetaBinder, StatusInterceptor
 from predictor.serving.rpc.stream_infer import stream_handler
 from predictor.serving.served import ServedModel
 
@@ -153,7 +154,7 @@ class PredictorServer(ModelServer):
         return internals.PredictorGRPCServer(
             self.host,
             [handler],
-            [DecodeGuard(), StatusInterceptor()],
+            [DecodeGuard(), MetaBinder(self.settings.tenant_header), StatusInterceptor()],
             self.settings.max_body_bytes,
             self.grpc_port,
             self.dataplane,
@@ -183,6 +184,7 @@ class PredictorServer(ModelServer):
                 # Unary JSON is compressed for clients that accept it; Starlette never
                 # compresses text/event-stream, so streams are not held back.
                 (GZipMiddleware, {"minimum_size": GZIP_MINIMUM_BYTES}),
+                (RequestMetaBinder, {"tenant_header": settings.tenant_header}),
             ],
             routers=[
                 oip.build_router(self.served_model),

@@ -7,10 +7,15 @@
   ModelStreamInfer's per-request `error_message`; `kserve_error` hands ours to KServe's own code
   paths (V2 infer through `LLMPredictor.predict`).
 Server faults (anything not ours) are 500 / INTERNAL with `SERVER_FAULT`; the detail is logged.
+
+Every failed request is rendered once, by one of these: so each counts it here, by API and the
+table's reason, through the one counter `count_errors` installs at start
+(`predictor_request_errors_total`); admin calls (repository, config) count alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -30,6 +35,20 @@ from predictor.protocols.openai.responses import error_body
 
 RETRY_AFTER_SECONDS = "1"
 
+ErrorCounter = Callable[[str, str], None]  # (api, reason)
+_counter: list[ErrorCounter] = []
+
+
+def count_errors(counter: ErrorCounter) -> None:
+    """Count every error rendered from now on (set once, by `__main__`)."""
+    _counter[:] = [counter]
+
+
+def _counted(exc: BaseException, api: str) -> BaseException:
+    for count in _counter:
+        count(api, status_of(exc).reason)
+    return exc
+
 
 def headers_of(exc: BaseException) -> dict[str, str]:
     return {"Retry-After": RETRY_AFTER_SECONDS} if isinstance(exc, Overloaded) else {}
@@ -38,6 +57,7 @@ def headers_of(exc: BaseException) -> dict[str, str]:
 def v2_response(exc: BaseException, status: int | None = None) -> JSONResponse:
     """`{"error": ...}` with the status `errors.STATUS_TABLE` gives (server faults: 500);
     `status` overrides it (FastAPI's body validation answers 422)."""
+    _counted(exc, "v2")
     return JSONResponse(
         {"error": message_of(exc)},
         status_code=status or status_of(exc).http,
@@ -47,12 +67,12 @@ def v2_response(exc: BaseException, status: int | None = None) -> JSONResponse:
 
 def v2_event(exc: BaseException) -> dict[str, Any]:
     """The SSE event that ends a V2 / OIP stream after its first byte."""
-    return {"error": message_of(exc)}
+    return {"error": message_of(_counted(exc, "v2"))}
 
 
 def openai_body(exc: BaseException) -> dict[str, Any]:
     """OpenAI's error object for an error (also the event that ends a stream)."""
-    message = message_of(exc)
+    message = message_of(_counted(exc, "openai"))
     if isinstance(exc, InvalidRequest):
         return error_body(message, "invalid_request_error", exc.param)
     if isinstance(exc, ModelMissing):
@@ -69,7 +89,7 @@ def openai_response(exc: BaseException) -> JSONResponse:
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    return getattr(grpc.StatusCode, status_of(exc).grpc), message_of(exc)
+    return getattr(grpc.StatusCode, status_of(_counted(exc, "grpc")).grpc), message_of(exc)
 
 
 def kserve_error(exc: BaseException, from_grpc: bool) -> Exception:

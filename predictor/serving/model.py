@@ -15,7 +15,7 @@ from kserve.errors import InvalidInput
 
 from predictor.engine.client import EngineClient, complete_all
 from predictor.errors import PredictorError
-from predictor.observability.metrics import Metrics, ObservedStream
+from predictor.observability.observer import ObservedStream, Observer
 from predictor.observability.statistics import InferenceStatistics
 from predictor.protocols.limits import Limits
 from predictor.protocols.triton import requests as v2_requests
@@ -28,12 +28,13 @@ log = logging.getLogger(__name__)
 
 
 class LLMPredictor(Model):
-    def __init__(self, name: str, llm: EngineClient, limits: Limits, metrics: Metrics) -> None:
+    def __init__(self, name: str, llm: EngineClient, limits: Limits, observer: Observer) -> None:
         super().__init__(name)
         self.llm = llm
         self.limits = limits
-        self.metrics = metrics
-        metrics.track_engine(llm.running, llm.waiting)
+        self.observer = observer
+        observer.metrics.track_engine(llm.running, llm.waiting)
+        observer.metrics.track_ready(lambda: bool(self.ready) and llm.ready())
         self.engine = True  # KServe awaits start_engine() on the server's event loop
 
     def load(self) -> bool:
@@ -80,14 +81,14 @@ class LLMPredictor(Model):
     @property
     def statistics(self) -> InferenceStatistics:
         """Triton's ModelStatistics figures, recorded with the metrics."""
-        return self.metrics.statistics
+        return self.observer.metrics.statistics
 
     def stream(self, request: GenerateRequest, protocol: str) -> ObservedStream:
         """Token events of one request, measured; closing the iterator aborts the request.
 
         Raises InvalidRequest / Overloaded / EngineUnavailable before the first event.
         """
-        return self.metrics.observe(self.llm.generate(request), protocol)
+        return self.observer.observe(self.llm.generate(request), protocol, request)
 
     async def stream_all(
         self, requests: Sequence[GenerateRequest], protocol: str
@@ -95,11 +96,12 @@ class LLMPredictor(Model):
         """Several prompts as one unit (all admitted or none), each stream measured."""
         try:
             streams = await self.llm.generate_all(requests)
-        except PredictorError:
-            for _ in requests:
-                self.metrics.requests.labels(self.name, protocol, "rejected").inc()
+        except PredictorError as exc:
+            await self.observer.rejected(requests, protocol, exc)
             raise
-        return [self.metrics.observe(s, protocol) for s in streams]
+        return [
+            self.observer.observe(s, protocol, r) for s, r in zip(streams, requests, strict=True)
+        ]
 
     async def complete_all(
         self, requests: Sequence[GenerateRequest], protocol: str

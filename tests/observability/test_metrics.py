@@ -12,6 +12,7 @@ from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.client import complete
 from predictor.errors import InvalidRequest
 from predictor.observability.metrics import Metrics
+from predictor.observability.observer import Observer
 from predictor.types import GenerateRequest, SamplingParams
 from tests.engine.conftest import Tiny, new_loop
 
@@ -24,6 +25,7 @@ def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
 async def test_known_mix(tiny_dense: Tiny) -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, "tiny")
+    observer = Observer(metrics)
     loop = new_loop(tiny_dense.runner(), frozenset())
     loop._on_step, loop._on_admit = (
         metrics.observe_batch,
@@ -37,7 +39,7 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
         lengths = {"a": 5, "b": 7, "c": 3}
         unary = [
             complete(
-                metrics.observe(
+                observer.observe(
                     engine.generate(
                         GenerateRequest(k, prompts[k], SamplingParams(max_tokens=lengths[k]))
                     ),
@@ -46,14 +48,14 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
             )
             for k in ("a", "b")
         ]
-        stream = metrics.observe(
+        stream = observer.observe(
             engine.generate(GenerateRequest("c", prompts["c"], SamplingParams(max_tokens=3))),
             "grpc",
         )
         streamed = [e async for e in stream]
         done = await asyncio.gather(*unary)
         # a cancelled stream: two tokens, then the client leaves
-        cancelled = metrics.observe(
+        cancelled = observer.observe(
             engine.generate(GenerateRequest("d", prompts["d"], SamplingParams(max_tokens=50))),
             "grpc",
         )
@@ -65,7 +67,7 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
         await cancelled.aclose()  # type: ignore[attr-defined]
         with pytest.raises(InvalidRequest):
             await complete(
-                metrics.observe(
+                observer.observe(
                     engine.generate(GenerateRequest("e", "y", SamplingParams(max_tokens=99))),
                     "rest",
                 )
@@ -78,16 +80,50 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
     prompt_tokens = {k: len(tiny_dense.tokenizer.encode(prompts[k])) for k in ("a", "b", "c")}
     assert [c.usage.generated_tokens for c in done] == [5, 7]
     assert streamed[-1].usage is not None and streamed[-1].usage.generated_tokens == 3
-    assert value(registry, "predictor_requests_total", protocol="rest", finish_reason="length") == 2
-    assert value(registry, "predictor_requests_total", protocol="grpc", finish_reason="length") == 1
     assert (
-        value(registry, "predictor_requests_total", protocol="grpc", finish_reason="cancelled") == 1
+        value(
+            registry,
+            "predictor_requests_total",
+            protocol="rest",
+            finish_reason="length",
+            tenant="none",
+        )
+        == 2
     )
     assert (
-        value(registry, "predictor_requests_total", protocol="rest", finish_reason="rejected") == 1
+        value(
+            registry,
+            "predictor_requests_total",
+            protocol="grpc",
+            finish_reason="length",
+            tenant="none",
+        )
+        == 1
     )
-    assert value(registry, "predictor_generation_tokens_total") == 5 + 7 + 3 + 2
-    assert value(registry, "predictor_prompt_tokens_total") == sum(prompt_tokens.values())
+    assert (
+        value(
+            registry,
+            "predictor_requests_total",
+            protocol="grpc",
+            finish_reason="cancelled",
+            tenant="none",
+        )
+        == 1
+    )
+    assert (
+        value(
+            registry,
+            "predictor_requests_total",
+            protocol="rest",
+            finish_reason="rejected",
+            tenant="none",
+        )
+        == 1
+    )
+    assert value(registry, "predictor_generation_tokens_total", tenant="none") == 5 + 7 + 3 + 2
+    assert value(registry, "predictor_prompt_tokens_total", tenant="none") == sum(
+        prompt_tokens.values()
+    )
     # one first token per request that produced one; every later token is one TPOT sample
     assert value(registry, "predictor_time_to_first_token_seconds_count") == 4
     assert value(registry, "predictor_time_per_output_token_seconds_count") == 4 + 6 + 2 + 1

@@ -59,7 +59,8 @@ class _Common(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted: an end-user id, for the client's own bookkeeping
+    # the end user (or team) the request is for: the tenant label of the usage counters
+    user: Annotated[str, Field(max_length=256)] | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:{id}"
 
 
@@ -217,6 +218,7 @@ def _choices(
     sampling: SamplingParams,
     salt: str | None = None,
     echo: bool = False,
+    tenant: str | None = None,
 ) -> tuple[GenerateRequest, ...]:
     out = []
     for i, prompt in enumerate(prompts):
@@ -228,7 +230,7 @@ def _choices(
                 GenerateRequest(
                     rid, prompt.prompt, params, prompt.chat, messages=prompt.messages,
                     cache_salt=salt, prompt_ids=prompt.prompt_ids, tools=prompt.tools,
-                    echo=echo,
+                    echo=echo, tenant=tenant,
                 )
             )  # fmt: skip
     return tuple(out)
@@ -250,7 +252,8 @@ def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
     prompts = _prompts(base, parsed.prompt)
     return OpenAIRequest(
         "completion", base, parsed.model, int(time.time()), n,
-        _choices(base, prompts, n, sampling, values.cache_salt, echo), stream, include_usage,
+        _choices(base, prompts, n, sampling, values.cache_salt, echo, parsed.user), stream,
+        include_usage,
         parsed.logprobs is not None,
         bool(parsed.return_tokens_as_token_ids), echo=echo, prompt_logprobs=asked,
     )  # fmt: skip
@@ -352,7 +355,8 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
         prompt = GenerateRequest(base, "", chat=True, messages=messages, tools=tools)
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
-        _choices(base, [prompt], n, sampling, values.cache_salt), stream, include_usage,
+        _choices(base, [prompt], n, sampling, values.cache_salt, tenant=parsed.user), stream,
+        include_usage,
         k is not None,
         bool(parsed.return_tokens_as_token_ids),
         tools is not None, prompt_logprobs=asked,

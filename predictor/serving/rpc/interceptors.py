@@ -1,10 +1,11 @@
-"""The interceptors on our gRPC server: undecodable messages are the client's fault, and our
+"""The interceptors on our gRPC server: undecodable messages are the client's fault, each RPC's
+trace context and tenant metadata are bound for its task (`observability/context.py`), and our
 errors get the status code of `errors.STATUS_TABLE` (through `serving/errors.py`)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -12,6 +13,7 @@ from grpc import aio
 from kserve.protocol.grpc.interceptors import ExceptionToStatusInterceptor
 
 from predictor.errors import PredictorError
+from predictor.observability import context
 from predictor.serving.errors import grpc_status
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,49 @@ class DecodeGuard(aio.ServerInterceptor):
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 handler.stream_stream, lenient, handler.response_serializer
+            )
+        return handler
+
+
+class MetaBinder(aio.ServerInterceptor):
+    """Binds the RPC's `traceparent` / `tracestate` and tenant metadata while its handler runs
+    (unary and streaming alike)."""
+
+    def __init__(self, tenant_header: str) -> None:
+        self.tenant_header = tenant_header.lower()
+
+    def _meta(self, call: grpc.aio.ServicerContext) -> context.RequestMeta:
+        metadata = call.invocation_metadata() or ()
+        return context.read(((k, v) for k, v in metadata if isinstance(v, str)), self.tenant_header)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, call: grpc.aio.ServicerContext) -> Any:
+                context.bind(self._meta(call))  # the RPC's own task: gone with it
+                return await inner(request, call)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream is not None:
+            streamed = handler.stream_stream
+
+            async def stream(requests: Any, call: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                context.bind(self._meta(call))
+                async for response in streamed(requests, call):
+                    yield response
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
             )
         return handler
 
