@@ -196,7 +196,10 @@ def start_tracing(
 
         exporter = HTTPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT)
     processor = BoundedExport(exporter, on_drop)
-    provider = TracerProvider(resource=Resource.create({"service.name": service}))
+    resource = Resource.create()  # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, if set
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": service}))
+    provider = TracerProvider(resource=resource)
     provider.add_span_processor(processor)  # type: ignore[arg-type]
     log.info("tracing: spans go to %s over OTLP %s", endpoint, protocol)
     return Tracing(provider, processor)
