@@ -17,14 +17,14 @@ import pytest
 from kserve.protocol.grpc import grpc_predict_v2_pb2 as pb
 from kserve.protocol.grpc import grpc_predict_v2_pb2_grpc as pb_grpc
 
-from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
-from tests.observability.receivers import (
+from load.receivers import (
     Events,
     Spans,
     cloudevent_sink,
     otlp_grpc_receiver,
     otlp_http_receiver,
 )
+from predictor.pb.model_stream_infer_pb2 import ModelStreamInferResponse
 from tests.support import ServerProcess
 
 SERVER_KIND = 2  # OTLP's SPAN_KIND_SERVER

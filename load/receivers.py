@@ -1,9 +1,9 @@
-"""Real receivers for the server's telemetry, run in the test process on loopback ports.
+"""Real receivers for the telemetry of a server, on loopback ports (tests and benchmarks).
 
-- `OtlpGrpcReceiver`: OpenTelemetry's own OTLP/gRPC trace service (`TraceService.Export`, the
+- `otlp_grpc_receiver`: OpenTelemetry's own OTLP/gRPC trace service (`TraceService.Export`, the
   opentelemetry-proto definitions a collector implements), recording every span it is sent.
-- `OtlpHttpReceiver`: OTLP over HTTP/protobuf (`POST /v1/traces`), the same messages.
-- `CloudEventSink`: an HTTP endpoint taking CloudEvents in binary mode, as KServe's logger
+- `otlp_http_receiver`: OTLP over HTTP/protobuf (`POST /v1/traces`), the same messages.
+- `cloudevent_sink`: an HTTP endpoint taking CloudEvents in binary mode, as KServe's logger
   sinks (message-dumper) do.
 """
 
