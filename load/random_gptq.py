@@ -7,6 +7,10 @@ seconds on a GPU, so the device script builds the model it benchmarks on the spo
 tests build one per layout. The speed of a model depends on its shape, not its weights.
 
     python -m load.random_gptq --shape smollm2-1.7b --tokenizer DIR --out DIR [--device cuda]
+        [--family llama|mistral|qwen2|qwen3]
+
+A family changes what transformers' config and tensors hold beyond Llama's: Qwen2's biased q, k
+and v projections, Qwen3's per-head q and k RMSNorms, Mistral's sliding window (`--window`).
 """
 
 from __future__ import annotations
@@ -61,6 +65,15 @@ class Layout:
     checkpoint_format: str = "gptq"  # or gptq_v2
     dtype: torch.dtype = torch.bfloat16  # of every other tensor
 
+
+# model_type -> (architecture, the config keys that differ from Llama's)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
+    "mistral": ("MistralForCausalLM", {"sliding_window": None}),
+    "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": None}),
+    "qwen3": ("Qwen3ForCausalLM", {"attention_bias": False, "use_sliding_window": False,
+                                   "sliding_window": None}),
+}  # fmt: skip
 
 PROJECTIONS = (
     ("self_attn.q_proj", "hidden", "q"),
@@ -118,12 +131,23 @@ def quantized_linear(
     }
 
 
-def config_dict(shape: Shape, layout: Layout, bos: int, eos: int) -> dict[str, Any]:
+def config_dict(
+    shape: Shape,
+    layout: Layout,
+    bos: int,
+    eos: int,
+    family: str = "llama",
+    window: int | None = None,
+) -> dict[str, Any]:
+    architecture, extra = FAMILIES[family]
+    if window is not None:
+        extra = {**extra, "sliding_window": window}
+        if family != "mistral":
+            extra["use_sliding_window"] = True
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "attention_bias": False,
-        "mlp_bias": False,
+        "architectures": [architecture],
+        "model_type": family,
+        **extra,
         "hidden_act": "silu",
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -160,9 +184,12 @@ def write_checkpoint(
     tokenizer_dir: Path,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    family: str = "llama",
+    window: int | None = None,
 ) -> Path:
     """A random GPTQ checkpoint of `shape` in `layout` at `out`, with the tokenizer of
-    `tokenizer_dir` (its files copied; vocab_size need not match it)."""
+    `tokenizer_dir` (its files copied; vocab_size need not match it), of a family of FAMILIES
+    (`window`: a sliding window, where the family has one)."""
     from safetensors.torch import save_file
 
     device = torch.device(device)
@@ -201,9 +228,17 @@ def write_checkpoint(
                                      orders[rows])  # fmt: skip
             for field, tensor in parts.items():
                 tensors[f"{prefix}.{name}.{field}"] = tensor
+        if family == "qwen2":  # q, k and v carry a bias, stored beside the packed weights
+            for name, _, columns in PROJECTIONS[:3]:
+                bias = torch.randn(dims[columns], generator=generator, device=device) * 0.5
+                tensors[f"{prefix}.{name}.bias"] = bias.to(layout.dtype)
+        if family == "qwen3":  # each head's query and key RMS-normed before rotary
+            for name in ("q_norm", "k_norm"):
+                weight = 0.5 + torch.rand(shape.head_dim, generator=generator, device=device)
+                tensors[f"{prefix}.self_attn.{name}.weight"] = weight.to(layout.dtype)
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})  # fmt: skip
-    config = config_dict(shape, layout, bos, eos)
+    config = config_dict(shape, layout, bos, eos, family, window)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos})
@@ -239,12 +274,15 @@ def main() -> None:
     parser.add_argument("--format", default="gptq", choices=("gptq", "gptq_v2"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    parser.add_argument("--window", type=int, default=None, help="a sliding window, in tokens")
     args = parser.parse_args()
     layout = replace(
         Layout(), bits=args.bits, group_size=args.group_size, sym=args.sym,
         desc_act=args.desc_act, checkpoint_format=args.format,
     )  # fmt: skip
-    write_checkpoint(args.out, SHAPES[args.shape], layout, args.tokenizer, args.seed, args.device)
+    write_checkpoint(args.out, SHAPES[args.shape], layout, args.tokenizer, args.seed, args.device,
+                     args.family, args.window)  # fmt: skip
     print(args.out)
 
 

@@ -31,6 +31,10 @@ KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
 # how decode rows attend: on a CPU native (engine/runners/native.py) or torch; on a GPU triton
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")
+# the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
+# model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GPU_MODEL_TYPES = ("llama",)
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 PAYLOAD_MODES = ("off", "hash", "full")
 # OpenTelemetry's standard variables, read when our own flag and PREDICTOR_* variable are unset

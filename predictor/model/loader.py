@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from predictor.config import FUSED_KERNELS, KERNELS
-from predictor.errors import CheckpointError
+from predictor.config import FUSED_KERNELS, GPU_MODEL_TYPES, KERNELS, MODEL_TYPES
+from predictor.errors import CheckpointError, UnsupportedModel
 from predictor.model.gptq import GPTQLinear, load_gptq_model
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,36 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a GPTQ checkpoint: it has no weight files")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer")
+    check_family(config, MODEL_TYPES)
+    if int(quant.get("bits", 4)) not in (4, 8):
+        raise UnsupportedModel(
+            f"{quant.get('bits')}-bit GPTQ is not supported (supported: 4 and 8 bits)"
+        )
     return dict(quant)
+
+
+def check_family(config: dict[str, Any], supported: Sequence[str], where: str = "") -> None:
+    """Refuse a decoder family the runner does not serve, from config.json alone (a second,
+    not minutes into loading the weights)."""
+    model_type = str(config.get("model_type", ""))
+    if model_type not in supported:
+        raise UnsupportedModel(
+            f"model type {model_type!r} is not supported{where} (supported: {', '.join(supported)})"
+        )
+
+
+def context_length(config: Any) -> int:
+    """The tokens a request may span: max_position_embeddings, or a sliding window where the
+    model attends through one (Mistral; Qwen2/3 with use_sliding_window). Capping the context
+    at the window keeps every key a query may see inside it, so no window mask is needed."""
+    length = int(getattr(config, "max_position_embeddings", 2048))
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "model_type", "") == "mistral" or bool(
+        getattr(config, "use_sliding_window", False)
+    )
+    if uses_window and window:
+        length = min(length, int(window))
+    return length
 
 
 def pick_device(name: str) -> torch.device:
@@ -85,6 +115,8 @@ def load_checkpoint(
         raise CheckpointError(
             f"kernel {kernel} is a CPU kernel: on a GPU the runner measures its own (auto)"
         )
+    if target.type == "cuda":
+        check_family(json.loads((path / "config.json").read_text()), GPU_MODEL_TYPES, " on a GPU")
     from transformers import AutoTokenizer
 
     try:
@@ -112,7 +144,7 @@ def load_checkpoint(
         device=target,
         eos_ids=_eos_ids(model, tokenizer),
         pad_token_id=_pad_id(tokenizer),
-        context_length=int(getattr(model.config, "max_position_embeddings", 2048)),
+        context_length=context_length(model.config),
         kernel=name,
     )
 

@@ -7,7 +7,8 @@ the identity (210 gathers a step for SmolLM2: measured 6-8 ms of a 16-row step).
 with the output columns of several such layers side by side, so a layer's q, k and v are one
 call, and gate and up another: 7 kernel calls a layer become 4.
 
-Only layers whose reordering is the identity, with no bias and no adapter, are fused. Each fused
+Only layers whose reordering is the identity, with no adapter (and no bias, but for q, k and v:
+Qwen2's, added after the fused matmul), are fused. Each fused
 layer can run several kernels (`config.FUSED_KERNELS`): torch's int4 op; the weights expanded
 once, exactly, to bf16 and prepacked for oneDNN (4x the int4 bytes); or int4_matmul.c over
 the same 4-bit codes repacked (fp32 or int8 activations, per instruction set). Which one serves
@@ -38,6 +39,8 @@ class Int4Linear(torch.nn.Module):
     qweight: torch.Tensor
     scales_and_zeros: torch.Tensor
 
+    bias: torch.Tensor | None
+
     def __init__(self, parts: Sequence[Any]) -> None:
         super().__init__()
         first = parts[0]
@@ -50,6 +53,15 @@ class Int4Linear(torch.nn.Module):
         scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
+        # Qwen2's q, k and v biases side by side (bf16), added after whichever kernel ran
+        biases = [p.bias for p in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([
+                torch.zeros(p.out_features) if b is None else b.detach().float()
+                for p, b in zip(parts, biases, strict=True)
+            ]).to(torch.bfloat16)  # fmt: skip
+        self.register_buffer("bias", bias)
         self._kernels: dict[str, Kernel] = {INT4_OP: self._int4_op}
         self._native_weight: torch.Tensor | None = None  # int4_matmul.c's layout, uint8
         self._by_rows: list[Kernel] = [self._int4_op]  # [rows] -> kernel; the last for more
@@ -66,7 +78,8 @@ class Int4Linear(torch.nn.Module):
             return self(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
         table = self._by_rows
-        return table[rows if rows < len(table) else -1](x)
+        out = table[rows if rows < len(table) else -1](x)
+        return out if self.bias is None else out.add_(self.bias)
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(out.split(self.splits, dim=-1))
@@ -343,12 +356,12 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _packed(module: Any) -> bool:
+def _packed(module: Any, bias: bool = False) -> bool:
     """A TorchAtenLinear packed for the CPU (packing it now, as its first forward would), in
-    identity order, with no bias and no adapter."""
+    identity order, with no adapter, and no bias unless `bias`."""
     if type(module).__name__ != "TorchAtenLinear" or module.training:
         return False
-    if module.bias is not None or getattr(module, "adapter", None):
+    if (module.bias is not None and not bias) or getattr(module, "adapter", None):
         return False
     if getattr(module, "linear_mode", None) is None and module.qweight.device.type == "cpu":
         module.transform("cpu")
@@ -383,7 +396,9 @@ def fuse_layer(layer: Any) -> FusedLayer | None:
     qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
     gate_up = [mlp.gate_proj, mlp.up_proj]
     try:
-        if not all([_packed(m) for m in (*qkv, *gate_up, attn.o_proj, mlp.down_proj)]):
+        if not all([_packed(m, bias=True) for m in qkv]):  # Qwen2's biased q, k and v
+            return None
+        if not all([_packed(m) for m in (*gate_up, attn.o_proj, mlp.down_proj)]):
             return None
     except Exception:  # gptqmodel's internals moved: keep its own modules
         return None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from predictor.config import ATTENTION, FUSED_KERNELS
+from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES
 from predictor.engine.runners import autotune, memory
 from predictor.engine.runners.int4_linear import (
     FusedLayer,
@@ -42,7 +42,7 @@ from predictor.errors import NativeUnavailable, UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+SUPPORTED_MODEL_TYPES = frozenset(MODEL_TYPES)
 
 
 class ModelRunner:
@@ -107,6 +107,12 @@ class ModelRunner:
             for layer in self._layers
         ]
         self._final_norm = _rms_norm(decoder.norm)
+        # Qwen3: each head's query and key RMS-normed (over head_dim) before rotary
+        self._qk_norms = [
+            (_rms_norm(layer.self_attn.q_norm), _rms_norm(layer.self_attn.k_norm))
+            for layer in self._layers
+            if getattr(layer.self_attn, "q_norm", None) is not None
+        ] or None
         if kernel != "auto" and kernel not in FUSED_KERNELS:
             raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
         if kernel != "auto":
@@ -313,6 +319,8 @@ class ModelRunner:
             qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
         else:
             qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
+        if self._qk_norms is not None:
+            qkv = self._norm_heads(index, qkv, n)
         pool = self._pools[index]
         cos, sin = rope
         if self._ops is not None:  # rope [N, dim] each; rotated and written in one call
@@ -371,6 +379,17 @@ class ModelRunner:
             )
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
         return fused.o.forward(out) if fused is not None else attn.o_proj(out)
+
+    def _norm_heads(self, index: int, qkv: torch.Tensor, n: int) -> torch.Tensor:
+        """Qwen3's q_norm and k_norm on each head of q and k, in place ([N, q + 2 kv])."""
+        assert self._qk_norms is not None
+        q_norm, k_norm = self._qk_norms[index]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qkv = qkv.contiguous()
+        view = qkv.view(n, heads + 2 * kv_heads, dim)
+        view[:, :heads] = q_norm(view[:, :heads])
+        view[:, heads : heads + kv_heads] = k_norm(view[:, heads : heads + kv_heads])
+        return qkv
 
     def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
         fused = self._fused[index]

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from predictor.config import GPU_MODEL_TYPES
 from predictor.engine.runners.cuda import attention as paths
 from predictor.engine.runners.cuda import autotune, triton_ops
 from predictor.engine.runners.cuda.linear import CudaLinear, fuse
@@ -38,7 +39,7 @@ from predictor.errors import UnsupportedModel
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama"})
+SUPPORTED_MODEL_TYPES = frozenset(GPU_MODEL_TYPES)
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ATTENTION = ("auto", "triton", "torch")
 

@@ -1,0 +1,133 @@
+"""Every decoder family the CPU runner serves, on tiny random GPTQ checkpoints of each (built once
+per run by load/random_gptq.py): the runner's greedy tokens against transformers' own model class
+forwarding the same weights (dequantized exactly, fp32). With fp32 activations every token
+agrees; with the default kernels (the autotune's pick, int8 activations here) the first does."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from load.random_gptq import SHAPES, Layout, write_checkpoint
+from predictor.engine.runners.model import ModelRunner
+from predictor.model.loader import load_checkpoint
+from tests.engine.runners.test_model import step_logits
+from tests.support import ServerProcess, built_once, tune_cache
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+LAYOUTS = {  # served by gptqmodel's own modules where the runner cannot fuse them (act-order, 8 bits)
+    "4bit-g32-asym": Layout(4, 32, sym=False),
+    "4bit-g128-sym-v2-act-order": Layout(4, 128, sym=True, desc_act=True,
+                                         checkpoint_format="gptq_v2"),
+    "8bit-g64-asym": Layout(8, 64, sym=False),
+    "4bit-per-channel-sym-fp16": Layout(4, -1, sym=True, dtype=torch.float16),
+}  # fmt: skip
+SHAPE = SHAPES["tiny"]
+
+
+def checkpoint(workdir: Path, tokenizer_dir: Path, family: str, layout: str) -> Path:
+    return built_once(
+        workdir / "families" / f"{family}-{layout}",
+        lambda out: write_checkpoint(out, SHAPE, LAYOUTS[layout], tokenizer_dir, seed=3,
+                                     family=family),
+    )  # fmt: skip
+
+
+def reference(path: Path) -> torch.nn.Module:
+    """transformers' own model class over the checkpoint's weights, dequantized, in fp32."""
+    return load_checkpoint(path, device="cpu", threads=1, kernel="dequantized",
+                           dtype=torch.float32).model  # fmt: skip
+
+
+def reference_tokens(path: Path, prompt: list[int], count: int) -> list[int]:
+    """The reference's greedy continuation."""
+    model, ids = reference(path), list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+# The runner's activations are bf16 (the checkpoint's dtype), the reference's fp32: logits differ
+# by up to ~0.25 here, so where the reference's best two tokens are closer than this, either
+# choice is the same model's.
+TIE = 0.5
+
+
+def check_continuation(path: Path, prompt: list[int], ours: list[int]) -> None:
+    """Each of our tokens is the reference's choice at its position (transformers' forward of
+    the same tokens, as test_model.py compares), or ties with it within bf16's error."""
+    with torch.inference_mode():
+        logits = reference(path)(torch.tensor([prompt + ours[:-1]])).logits[0].float()
+    logits = logits[len(prompt) - 1 :]
+    best = logits.max(-1).values
+    chosen = logits[torch.arange(len(ours)), torch.tensor(ours)]
+    assert bool((chosen >= best - TIE).all()), (best - chosen).tolist()
+    exact = int((logits.argmax(-1) == torch.tensor(ours)).sum())
+    assert exact >= len(ours) - 2
+
+
+def greedy(runner: ModelRunner, prompt: list[int], count: int) -> list[int]:
+    return [int(x[0].argmax()) for x in step_logits(runner, [prompt], count - 1)]
+
+
+def fp32_activations(runner: ModelRunner) -> ModelRunner:
+    """The model's own lm_head, not the autotune's pick (which may quantize its input)."""
+    runner._tune()
+    runner._head = runner._lm_head
+    return runner
+
+
+PROMPT = [random.Random(4).randrange(100, 40000) for _ in range(23)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_gives_transformers_tokens(
+    family: str, workdir: Path, tokenizer_dir: Path
+) -> None:
+    path = checkpoint(workdir, tokenizer_dir, family, "4bit-g32-asym")
+    loaded = load_checkpoint(path, device="cpu", threads=1)
+    assert type(loaded.model).__name__.lower().startswith(family)
+    exact = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, kernel="native_f32",
+                        autotune_cache=tune_cache())  # fmt: skip
+    assert all(f is not None for f in exact._fused), "every layer fused (Qwen2's biases too)"
+    assert exact._ops is not None  # native attention and layer kernels
+    check_continuation(path, PROMPT, greedy(fp32_activations(exact), PROMPT, 12))
+    default = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
+    assert greedy(default, PROMPT, 1) == reference_tokens(path, PROMPT, 1)
+
+
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"4bit-g32-asym"}))
+def test_each_layout_gives_transformers_first_token(
+    layout: str, workdir: Path, tokenizer_dir: Path
+) -> None:
+    path = checkpoint(workdir, tokenizer_dir, "qwen2", layout)
+    expected = reference_tokens(path, PROMPT, 4)
+    loaded = load_checkpoint(path, device="cpu", threads=1)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
+    got = greedy(runner, PROMPT, 4)
+    assert got[0] == expected[0]
+
+
+def test_a_qwen3_checkpoint_is_served(workdir: Path, tokenizer_dir: Path) -> None:
+    """The real server on a Qwen3 checkpoint: OpenAI completions' greedy tokens are
+    transformers' (fp32-activation projections, native attention)."""
+    import httpx
+
+    path = checkpoint(workdir, tokenizer_dir, "qwen3", "4bit-g32-asym")
+    extra = ["--kernel", "native_f32", "--attention", "auto"]
+    with ServerProcess.start(path, "qwen3-tiny", extra=extra) as server:
+        answer = httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"model": "qwen3-tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+                  "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True},
+            timeout=120,
+        )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    tokens = answer.json()["choices"][0]["logprobs"]["tokens"]
+    ours = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert len(ours) == 8 and ours[0] == reference_tokens(path, PROMPT, 1)[0]
+    check_continuation(path, PROMPT, ours)

@@ -1,0 +1,58 @@
+"""What config.json alone decides, before any weight is read: the family and the bit width are
+refused in a moment, and a sliding window caps the context."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from load.random_gptq import SHAPES, Layout, write_checkpoint
+from predictor.errors import UnsupportedModel
+from predictor.model.loader import check_checkpoint, load_checkpoint
+
+
+def with_config(path: Path, **changes: object) -> Path:
+    config = json.loads((path / "config.json").read_text())
+    for key, value in changes.items():
+        if key == "bits":
+            config["quantization_config"]["bits"] = value
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"model_type": "gemma2"}, "model type 'gemma2' is not supported"),
+        ({"model_type": "phi3"}, "supported: llama, mistral, qwen2, qwen3"),
+        ({"bits": 3}, "3-bit GPTQ is not supported"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_from_config_alone(
+    changes: dict[str, object], words: str, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    path = write_checkpoint(tmp_path / "m", SHAPES["tiny"], Layout(), tokenizer_dir)
+    with_config(path, **changes)
+    (path / "model.safetensors").write_bytes(b"not read")  # the weights are never opened
+    start = time.monotonic()
+    with pytest.raises(UnsupportedModel, match=words):
+        check_checkpoint(path)
+    with pytest.raises(UnsupportedModel, match=words):
+        load_checkpoint(path, device="cpu")
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize(("family", "window", "length"), [
+    ("mistral", 256, 256), ("mistral", None, 1024), ("qwen2", 300, 300), ("qwen3", None, 1024),
+])  # fmt: skip
+def test_a_sliding_window_caps_the_context(
+    family: str, window: int | None, length: int, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    path = write_checkpoint(tmp_path / family, SHAPES["tiny"], Layout(), tokenizer_dir,
+                            family=family, window=window)  # fmt: skip
+    assert load_checkpoint(path, device="cpu").context_length == length
