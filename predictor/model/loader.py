@@ -117,13 +117,21 @@ def load_checkpoint(
         )
     if target.type == "cuda":
         check_family(json.loads((path / "config.json").read_text()), GPU_MODEL_TYPES, " on a GPU")
+    if target.type == "cpu" and kernel == "auto" and int(quant.get("bits", 4)) == 8:
+        # no CPU kernel serves 8-bit codes fast (gptqmodel's ran at 0.1x the weights expanded,
+        # load/bench_layouts.py): expanded once to bf16, which the runner prepacks for oneDNN
+        # (twice the 8-bit weights' memory)
+        log.info("8-bit GPTQ on a CPU: weights dequantized to bf16 at load")
+        kernel = "dequantized"
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         if target.type == "cuda" or kernel == "dequantized":
-            if dtype is None:
-                dtype = torch.bfloat16 if target.type == "cuda" else _checkpoint_dtype(path)
+            if dtype is None:  # on a CPU fp16 too becomes bf16, as on gptqmodel's path
+                stored = _checkpoint_dtype(path)
+                cpu_dtype = torch.bfloat16 if stored == torch.float16 else stored
+                dtype = torch.bfloat16 if target.type == "cuda" else cpu_dtype
             model = load_gptq_model(path, quant, target, dtype)
         else:
             model = _load_with_gptqmodel(path, quant, target, kernel)
@@ -159,6 +167,11 @@ def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device
     options: dict[str, Any] = {}
     if backend is not None:  # only the backend is taken from here; the rest from config.json
         options["quantization_config"] = GPTQConfig(bits=int(quant["bits"]), backend=backend)
+    if target.type == "cpu" and _checkpoint_dtype(path) == torch.float16:
+        # fp16's other tensors (embeddings, norms, head) in bf16, converted once here: the
+        # runner's native attention and layer kernels take bf16, and a CPU has no fp16
+        # arithmetic faster than bf16's (vLLM's CPU backend casts fp16 to bf16 too)
+        options["dtype"] = torch.bfloat16
     return AutoModelForCausalLM.from_pretrained(path, device_map=str(target), **options)
 
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from load.random_gptq import SHAPES, Layout, write_checkpoint
 from predictor.errors import UnsupportedModel
@@ -56,3 +57,19 @@ def test_a_sliding_window_caps_the_context(
     path = write_checkpoint(tmp_path / family, SHAPES["tiny"], Layout(), tokenizer_dir,
                             family=family, window=window)  # fmt: skip
     assert load_checkpoint(path, device="cpu").context_length == length
+
+
+@pytest.mark.parametrize(
+    ("stored", "served"),
+    [(torch.float16, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+     (torch.float32, torch.float32)],
+)  # fmt: skip
+def test_fp16_checkpoints_are_served_in_bf16_on_a_cpu(
+    stored: torch.dtype, served: torch.dtype, tmp_path: Path, tokenizer_dir: Path
+) -> None:
+    """fp16's plain tensors become bf16 once at load (the native kernels' dtype); the
+    quantized weights are the same codes and scales either way."""
+    path = write_checkpoint(tmp_path / "m", SHAPES["tiny"], Layout(dtype=stored), tokenizer_dir)
+    model = load_checkpoint(path, device="cpu").model
+    assert model.get_input_embeddings().weight.dtype == served
+    assert model.model.norm.weight.dtype == served

@@ -57,7 +57,8 @@ def test_random_checkpoint_logits_equal_gptqmodels(
     layout = LAYOUTS[name]
     path = write_checkpoint(tmp_path / name, SHAPES["tiny"], layout, tokenizer_dir, seed=3)
     reference = load_checkpoint(path, device="cpu", threads=1, kernel="gptq_torch").model
-    dense = load_checkpoint(path, device="cpu", threads=1, kernel="dequantized").model
+    dense = load_checkpoint(path, device="cpu", threads=1, kernel="dequantized", dtype=layout.dtype)
+    dense = dense.model
     ours = load_gptq_model(path, check_checkpoint(path), torch.device("cpu"), layout.dtype)
     if layout.desc_act:
         assert ours.model.layers[0].self_attn.q_proj.perm is not None  # rows were reordered

@@ -7,8 +7,9 @@ the identity (210 gathers a step for SmolLM2: measured 6-8 ms of a 16-row step).
 with the output columns of several such layers side by side, so a layer's q, k and v are one
 call, and gate and up another: 7 kernel calls a layer become 4.
 
-Only layers whose reordering is the identity, with no adapter (and no bias, but for q, k and v:
-Qwen2's, added after the fused matmul), are fused. Each fused
+Layers with no adapter (and no bias, but for q, k and v: Qwen2's, added after the fused matmul)
+are fused; act-order's reordering, where a checkpoint has one, is one gather of the input per
+fused call (q, k and v share it) instead of one per projection. Each fused
 layer can run several kernels (`config.FUSED_KERNELS`): torch's int4 op; the weights expanded
 once, exactly, to bf16 and prepacked for oneDNN (4x the int4 bytes); or int4_matmul.c over
 the same 4-bit codes repacked (fp32 or int8 activations, per instruction set). Which one serves
@@ -40,6 +41,7 @@ class Int4Linear(torch.nn.Module):
     scales_and_zeros: torch.Tensor
 
     bias: torch.Tensor | None
+    order: torch.Tensor | None
 
     def __init__(self, parts: Sequence[Any]) -> None:
         super().__init__()
@@ -62,6 +64,12 @@ class Int4Linear(torch.nn.Module):
                 for p, b in zip(parts, biases, strict=True)
             ]).to(torch.bfloat16)  # fmt: skip
         self.register_buffer("bias", bias)
+        # act-order: TorchAtenLinear stored the rows group by group (ExLlama's reordering, once
+        # at load), so the input is gathered into that order: one gather for q, k and v, which
+        # read one input and so share GPTQ's order
+        order = first.ret_idx.long()
+        identity = torch.equal(order, torch.arange(order.numel()))
+        self.register_buffer("order", None if identity else order)
         self._kernels: dict[str, Kernel] = {INT4_OP: self._int4_op}
         self._native_weight: torch.Tensor | None = None  # int4_matmul.c's layout, uint8
         self._by_rows: list[Kernel] = [self._int4_op]  # [rows] -> kernel; the last for more
@@ -78,6 +86,8 @@ class Int4Linear(torch.nn.Module):
             return self(flat).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         rows = x.shape[0]
         table = self._by_rows
+        if self.order is not None:
+            x = x.index_select(1, self.order)
         out = table[rows if rows < len(table) else -1](x)
         return out if self.bias is None else out.add_(self.bias)
 
@@ -357,8 +367,8 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _packed(module: Any, bias: bool = False) -> bool:
-    """A TorchAtenLinear packed for the CPU (packing it now, as its first forward would), in
-    identity order, with no adapter, and no bias unless `bias`."""
+    """A TorchAtenLinear packed for the CPU (packing it now, as its first forward would), with
+    no adapter, and no bias unless `bias`."""
     if type(module).__name__ != "TorchAtenLinear" or module.training:
         return False
     if (module.bias is not None and not bias) or getattr(module, "adapter", None):
@@ -368,10 +378,13 @@ def _packed(module: Any, bias: bool = False) -> bool:
         module.linear_mode = "inference"
     if module.linear_mode != "inference" or not hasattr(module, "scales_and_zeros"):
         return False
-    ret_idx = getattr(module, "ret_idx", None)
-    if not isinstance(ret_idx, torch.Tensor):
-        return False
-    return bool(torch.equal(ret_idx.long().cpu(), torch.arange(ret_idx.numel())))
+    return isinstance(getattr(module, "ret_idx", None), torch.Tensor)
+
+
+def _one_order(parts: Sequence[Any]) -> bool:
+    """The parts gather their input into one order (act-order's: those reading one input)."""
+    first = parts[0].ret_idx
+    return all(torch.equal(p.ret_idx, first) for p in parts[1:])
 
 
 @dataclass
@@ -403,6 +416,8 @@ def fuse_layer(layer: Any) -> FusedLayer | None:
     except Exception:  # gptqmodel's internals moved: keep its own modules
         return None
     if len({m.group_size for m in qkv}) != 1 or len({m.group_size for m in gate_up}) != 1:
+        return None
+    if not _one_order(qkv) or not _one_order(gate_up):
         return None
     return FusedLayer(
         Int4Linear(qkv), Int4Linear([attn.o_proj]), Int4Linear(gate_up), Int4Linear([mlp.down_proj])

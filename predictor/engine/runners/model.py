@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES
 from predictor.engine.runners import autotune, memory
+from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.int4_linear import (
     FusedLayer,
     Kernel,
@@ -102,6 +103,13 @@ class ModelRunner:
         self.scale = float(self._layers[0].self_attn.scaling)
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
         self._fused = [fuse_layer(layer) for layer in self._layers]
+        # the layers it could not fuse: plain bf16 projections (dequantized) prepacked for oneDNN
+        prepacked = sum(
+            prepack_layer(layer) for layer, f in zip(self._layers, self._fused, strict=True)
+            if f is None
+        )  # fmt: skip
+        if prepacked:
+            logger.info("%d dense bf16 projections prepacked for oneDNN", prepacked)
         self._norms = [
             (_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm))
             for layer in self._layers

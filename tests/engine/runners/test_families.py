@@ -20,8 +20,8 @@ from tests.support import ServerProcess, built_once, tune_cache
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 LAYOUTS = {  # served by gptqmodel's own modules where the runner cannot fuse them (act-order, 8 bits)
     "4bit-g32-asym": Layout(4, 32, sym=False),
-    "4bit-g128-sym-v2-act-order": Layout(4, 128, sym=True, desc_act=True,
-                                         checkpoint_format="gptq_v2"),
+    "4bit-g32-sym-v2-act-order": Layout(4, 32, sym=True, desc_act=True,
+                                        checkpoint_format="gptq_v2"),
     "8bit-g64-asym": Layout(8, 64, sym=False),
     "4bit-per-channel-sym-fp16": Layout(4, -1, sym=True, dtype=torch.float16),
 }  # fmt: skip
@@ -108,6 +108,14 @@ def test_each_layout_gives_transformers_first_token(
     expected = reference_tokens(path, PROMPT, 4)
     loaded = load_checkpoint(path, device="cpu", threads=1)
     runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
+    if LAYOUTS[layout].bits == 8:  # expanded to bf16 at load, prepacked for oneDNN
+        assert loaded.kernel == "Linear (dequantized)"
+        q_proj = loaded.model.model.layers[0].self_attn.q_proj
+        assert type(q_proj).__name__ == "PrepackedLinear"
+    if LAYOUTS[layout].desc_act:  # fused too: rows reordered at load, one gather a call
+        first = runner._fused[0]
+        assert all(f is not None for f in runner._fused)
+        assert first is not None and first.qkv.order is not None
     got = greedy(runner, PROMPT, 4)
     assert got[0] == expected[0]
 
