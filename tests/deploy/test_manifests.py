@@ -22,7 +22,8 @@ from tests.deploy.validate import crd_errors, crd_schema, sdk_errors, startup_bu
 
 ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "manifests"
-CUSTOM_OVERLAYS = ("dev", "gpu", "canary", "grpc", "telemetry")  # the custom container, Knative mode
+# the custom container, Knative mode
+CUSTOM_OVERLAYS = ("dev", "gpu", "canary", "grpc", "telemetry")
 RUNTIME_OVERLAYS = ("storage-uri", "standard", "inference-pool")  # see test_kinds.py
 OVERLAYS = CUSTOM_OVERLAYS + RUNTIME_OVERLAYS
 TARGETS = {"base": "base"} | {name: f"overlays/{name}" for name in CUSTOM_OVERLAYS}
