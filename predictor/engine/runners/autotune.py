@@ -35,9 +35,14 @@ from predictor.engine.runners.invariance import ROWWISE, row_invariant, rowwise
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 5  # of the cache file's contents and the choosing rule (5: --batch-invariant)
-ALL_LAYERS_UP_TO = 8  # rows: up to here every layer of a shape is timed (memory-bound steps)
+VERSION = 6  # of the cache file's contents and the choosing rule (6: sampled layers)
+ALL_LAYERS_UP_TO = 8  # rows: up to here every sampled layer is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
+# The layers of a shape timed: all of them up to this many bytes of 4-bit weights (8x a core's
+# L2 here: a pass reads them from the last-level cache or memory, as a step does), then no more:
+# at 1-8B shapes a shape's layers hold 100-500 MB, and building every candidate for each (bf16
+# expansions included) made the autotune of a 1.7B model take 181 s
+SAMPLE_BYTES = 32 << 20
 REPEATS = 3  # timed passes per figure; the fastest counts (the machine is shared and noisy)
 # A candidate stops being timed after a pass that leaves its fastest this many times slower
 # than the fastest finished one at that row count: its remaining passes could not make it win
@@ -188,7 +193,8 @@ def _measure(
             candidates.append(name)
         if invariant and not candidates:  # none is: the fastest alone, one row at a time
             candidates = [ROWWISE + name for name in group[0].candidates()[:1]]
-        kernels = {name: [layer.kernel(name) for layer in group] for name in candidates}
+        sample = _sample(group)
+        kernels = {name: [layer.kernel(name) for layer in sample] for name in candidates}
         choices.plans[key], choices.figures[key] = _buckets(kernels, k, generator, invariant)
         for layer in group:  # only the winners stay built
             layer.use(choices.plans[key])
@@ -213,6 +219,13 @@ def _measure(
     )
     logger.info("autotune: %.1f s", time.perf_counter() - started)
     return choices
+
+
+def _sample(group: list[Int4Linear]) -> list[Int4Linear]:
+    """The first layers of a shape, up to SAMPLE_BYTES of weights (at least FEW_LAYERS)."""
+    n, k, _ = group[0].shape
+    per_layer = max(1, n * k // 2)
+    return group[: max(FEW_LAYERS, SAMPLE_BYTES // per_layer)]
 
 
 def _head_width(heads: dict[str, Callable[[], Kernel]]) -> int:

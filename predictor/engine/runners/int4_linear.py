@@ -72,6 +72,7 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("order", None if identity else order)
         self._kernels: dict[str, Kernel] = {INT4_OP: self._int4_op}
         self._native_weight: torch.Tensor | None = None  # int4_matmul.c's layout, uint8
+        self._codes_read: torch.Tensor | None = None  # while kernels are built (`_codes`)
         self._by_rows: list[Kernel] = [self._int4_op]  # [rows] -> kernel; the last for more
         self.plan: list[tuple[int, str]] = [(1, INT4_OP)]
 
@@ -139,6 +140,7 @@ class Int4Linear(torch.nn.Module):
             self._by_rows.append(kernels[[n for low, n in plan if low <= rows][-1]])
         self.plan = list(plan)
         self._kernels = {INT4_OP: self._int4_op, **kernels}
+        self._codes_read = None
         bases = {name.removeprefix(ROWWISE) for name in kernels}  # what the kernels read
         if not any(name.startswith("native_") for name in bases) and self.qweight.numel():
             self._native_weight = None
@@ -154,8 +156,18 @@ class Int4Linear(torch.nn.Module):
             raise RuntimeError("the int4pack weights were dropped: plan the int4 op to use it")
         return internals.int4pack_mm(x, self.qweight, self.group_size, self.scales_and_zeros)
 
+    def _codes(self) -> torch.Tensor:
+        """The weights' codes [N, K] (uint8), read back once for every kernel built from them
+        (`use` lets them go)."""
+        if self._codes_read is None:
+            self._codes_read = int4pack_codes(self.qweight, self.out_features, self.in_features)
+        return self._codes_read
+
     def _prepacked(self) -> Kernel:
-        weight = _prepack(self.qweight, self.scales_and_zeros, self.group_size, self.in_features)
+        weight = None
+        if internals.onednn_prepack_available():
+            dense = _dequantize_codes(self._codes(), self.scales_and_zeros, self.group_size)
+            weight = _reorder(dense)
         if weight is None:
             raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
         return lambda x: internals.onednn_linear(x, weight)
@@ -166,8 +178,8 @@ class Int4Linear(torch.nn.Module):
             raise ValueError(f"{name} cannot run here ({self.shape}, CPU {native.usable_isas()})")
         compiled = native.int4_matmul(isa)
         if self._native_weight is None:
-            self._native_weight = _repack(
-                compiled, self.qweight, self.scales_and_zeros, self.group_size, self.in_features
+            self._native_weight = _repack_codes(
+                compiled, self._codes(), self.scales_and_zeros, self.group_size, self.in_features
             )
         weight, n, k, group = (
             self._native_weight,
@@ -239,8 +251,19 @@ def _repack(
     in_features: int,
 ) -> torch.Tensor:
     """The int4pack weights and their scales and zeros in int4_matmul.c's layout (uint8)."""
+    codes = int4pack_codes(qweight, scales_and_zeros.shape[1], in_features)
+    return _repack_codes(compiled, codes, scales_and_zeros, group_size, in_features)
+
+
+def _repack_codes(
+    compiled: native.Int4Kernel,
+    codes: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    in_features: int,
+) -> torch.Tensor:
     n = scales_and_zeros.shape[1]
-    codes = int4pack_codes(qweight, n, in_features).contiguous()
+    codes = codes.contiguous()
     scales = scales_and_zeros[..., 0].to(torch.bfloat16).contiguous()  # [groups, n]
     zeros = scales_and_zeros[..., 1].to(torch.bfloat16).contiguous()
     out = torch.empty(native.Int4Kernel.packed_bytes(n, in_features, group_size), dtype=torch.uint8)
@@ -256,19 +279,24 @@ def prepack_available() -> bool:
     return _reorder(torch.ones((16, 16), dtype=torch.bfloat16)) is not None
 
 
-def _prepack(
+def dequantize_int4pack(
     qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int
-) -> torch.Tensor | None:
-    """The int4 weights as a oneDNN-prepacked bf16 matrix, or None where torch lacks it."""
-    if not internals.onednn_prepack_available():
-        return None
-    try:
-        eye = torch.eye(in_features, dtype=torch.bfloat16, device=qweight.device)
-        # [K, N]: row k is what input k contributes, i.e. the dequantized weights, exactly
-        dense = internals.int4pack_mm(eye, qweight, group_size, scales_and_zeros)
-    except Exception:  # this build cannot: the int4 op serves
-        return None
-    return _reorder(dense.t())
+) -> torch.Tensor:
+    """The weights [N, K] in bf16, exactly as torch's int4 op computes them: scale * (code - 8)
+    + zero per group (torch's int4pack convention), from the codes read back. Not through the
+    op itself on an identity matrix: that is K^2 N multiply-adds, 1.3 s a projection at 1.7B
+    shapes, where this is a few element-wise passes."""
+    codes = int4pack_codes(qweight, scales_and_zeros.shape[1], in_features)
+    return _dequantize_codes(codes, scales_and_zeros, group_size)
+
+
+def _dequantize_codes(
+    codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    codes = codes.float()  # [N, K]
+    scales = scales_and_zeros[..., 0].float().t().repeat_interleave(group_size, dim=1)
+    zeros = scales_and_zeros[..., 1].float().t().repeat_interleave(group_size, dim=1)
+    return codes.sub_(8).mul_(scales).add_(zeros).to(torch.bfloat16)
 
 
 def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:

@@ -210,3 +210,21 @@ def test_the_compiled_library_is_cached_and_reused(
     monkeypatch.setattr("tempfile.TemporaryDirectory", no_build)  # only a cache hit succeeds
     again = native.int4_matmul(ISAS[-1], tmp_path)
     assert again.isa == first.isa and again.width == first.width
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 128, 32), (96, 256, 128), (48, 64, 64)])
+def test_dequantized_int4pack_is_what_the_int4_op_computes(n: int, k: int, group: int) -> None:
+    """The bf16 expansion the prepacked kernel serves equals, bit for bit, the int4 op applied
+    to an identity matrix (what it was computed by before: K^2 N multiply-adds)."""
+    from predictor.engine.runners import internals
+    from predictor.engine.runners.int4_linear import dequantize_int4pack
+
+    generator = torch.Generator().manual_seed(n)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
+    packed = internals.convert_to_int4pack(codes)
+    scales = torch.rand((k // group, n), generator=generator) * 0.1
+    zeros = torch.randn((k // group, n), generator=generator) * 0.1
+    scales_and_zeros = torch.stack((scales, zeros), -1).to(torch.bfloat16)
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    expected = internals.int4pack_mm(eye, packed, group, scales_and_zeros).t()
+    assert torch.equal(dequantize_int4pack(packed, scales_and_zeros, group, k), expected)
