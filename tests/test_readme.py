@@ -1,4 +1,5 @@
-"""The README's examples, run as written against the test server (host, port and model swapped)."""
+"""The examples of the README and of the topic pages under docs/, run as written against the test
+server (host, port and model swapped)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 from tests.support import REPO, ServerProcess
 
 README = (REPO / "README.md").read_text()
-SNIPPETS = dict(re.findall(r"<!-- snippet: ([\w-]+) -->\n```\w+\n(.*?)```", README, re.S))
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+SNIPPET = re.compile(r"<!-- snippet: ([\w-]+) -->\n```\w+\n(.*?)```", re.S)
+FOUND = [(page, name, code) for page in PAGES for name, code in SNIPPET.findall(page.read_text())]
+SNIPPETS = {name: code for _, name, code in FOUND}
 
 
 def adapt(code: str, server: ServerProcess) -> str:
@@ -32,6 +36,18 @@ def run(command: list[str]) -> str:
 def test_readme_opens_with_the_two_commands() -> None:
     head = README[: README.index("## ")]
     assert "make run" in head and "make test" in head
+
+
+def test_the_docs_point_nowhere_outside_the_repository() -> None:
+    for page in [*PAGES, REPO / "ARCHITECTURE.md", REPO / "load" / "README.md"]:
+        assert "../shared" not in page.read_text(), page
+
+
+def test_every_snippet_is_found_once() -> None:
+    names = [name for _, name, _ in FOUND]
+    assert len(names) == len(set(names)), names
+    readme = {name for page, name, _ in FOUND if page.name == "README.md" and page.parent == REPO}
+    assert readme == {"curl-infer", "tritonclient-http", "openai-sdk"}  # curl, tritonclient, openai
     assert set(SNIPPETS) == {
         "curl-infer",
         "tritonclient-http",
