@@ -7,10 +7,12 @@ seconds on a GPU, so the device script builds the model it benchmarks on the spo
 tests build one per layout. The speed of a model depends on its shape, not its weights.
 
     python -m load.random_gptq --shape smollm2-1.7b --tokenizer DIR --out DIR [--device cuda]
-        [--family llama|mistral|qwen2|qwen3]
+        [--family llama|mistral|qwen2|qwen3|phi3|gemma2]
 
 A family changes what transformers' config and tensors hold beyond Llama's: Qwen2's biased q, k
-and v projections, Qwen3's per-head q and k RMSNorms, Mistral's sliding window (`--window`).
+and v projections, Qwen3's per-head q and k RMSNorms, Mistral's sliding window (`--window`),
+Phi-3's q, k, v and gate, up stored as one Linear each, Gemma 2's four norms a layer (weights
+stored as offsets from 1), GELU and soft-capped attention scores and logits.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class Layout:
     desc_act: bool = False
     checkpoint_format: str = "gptq"  # or gptq_v2
     dtype: torch.dtype = torch.bfloat16  # of every other tensor
+    quantize_config_file: bool = False  # AutoGPTQ's quantize_config.json, not in config.json
+    shards: int = 1  # safetensors files, with an index where more than one
 
 
 # model_type -> (architecture, the config keys that differ from Llama's)
@@ -73,7 +77,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": None}),
     "qwen3": ("Qwen3ForCausalLM", {"attention_bias": False, "use_sliding_window": False,
                                    "sliding_window": None}),
+    "phi3": ("Phi3ForCausalLM", {"sliding_window": None, "resid_pdrop": 0.0,
+                                 "embd_pdrop": 0.0, "attention_dropout": 0.0}),
+    "gemma2": ("Gemma2ForCausalLM", {"hidden_act": "gelu_pytorch_tanh",
+                                     "hidden_activation": "gelu_pytorch_tanh",
+                                     "attn_logit_softcapping": 50.0,
+                                     "final_logit_softcapping": 30.0, "sliding_window": 4096,
+                                     "rms_norm_eps": 1e-6}),
 }  # fmt: skip
+# Phi-3's stored-fused projections, in place of PROJECTIONS' q, k, v and gate, up
+FUSED_PROJECTIONS = (
+    ("self_attn.qkv_proj", "hidden", "qkv"),
+    ("self_attn.o_proj", "q", "hidden"),
+    ("mlp.gate_up_proj", "hidden", "gate_up"),
+    ("mlp.down_proj", "intermediate", "hidden"),
+)
 
 PROJECTIONS = (
     ("self_attn.q_proj", "hidden", "q"),
@@ -138,7 +156,9 @@ def config_dict(
     eos: int,
     family: str = "llama",
     window: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """config.json's contents; `overrides` replace its keys last (rope scaling, caps)."""
     architecture, extra = FAMILIES[family]
     if window is not None:
         extra = {**extra, "sliding_window": window}
@@ -147,8 +167,8 @@ def config_dict(
     return {
         "architectures": [architecture],
         "model_type": family,
-        **extra,
         "hidden_act": "silu",
+        **extra,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
         "num_hidden_layers": shape.num_hidden_layers,
@@ -157,24 +177,37 @@ def config_dict(
         "head_dim": shape.head_dim,
         "vocab_size": shape.vocab_size,
         "max_position_embeddings": shape.max_position_embeddings,
-        "rms_norm_eps": 1e-5,
+        "rms_norm_eps": extra.get("rms_norm_eps", 1e-5),
         "rope_parameters": {"rope_theta": shape.rope_theta, "rope_type": "default"},
         "tie_word_embeddings": shape.tie_word_embeddings,
         "bos_token_id": bos,
         "eos_token_id": eos,
         "pad_token_id": eos,
         "dtype": str(layout.dtype).removeprefix("torch."),
-        "quantization_config": {
-            "quant_method": "gptq",
-            "bits": layout.bits,
-            "group_size": layout.group_size,
-            "sym": layout.sym,
-            "desc_act": layout.desc_act,
-            "checkpoint_format": layout.checkpoint_format,
-            "pack_dtype": "int32",
-            "lm_head": False,
-        },
+        "quantization_config": quantization_config(layout),
+        **(overrides or {}),
     }
+
+
+def quantization_config(layout: Layout) -> dict[str, Any]:
+    return {
+        "quant_method": "gptq",
+        "bits": layout.bits,
+        "group_size": layout.group_size,
+        "sym": layout.sym,
+        "desc_act": layout.desc_act,
+        "checkpoint_format": layout.checkpoint_format,
+        "pack_dtype": "int32",
+        "lm_head": False,
+    }
+
+
+def quantize_config_json(layout: Layout) -> dict[str, Any]:
+    """AutoGPTQ's quantize_config.json (TheBloke's checkpoints): no quant_method, v1 format."""
+    assert layout.checkpoint_format == "gptq", "AutoGPTQ wrote the v1 format only"
+    return {"bits": layout.bits, "group_size": layout.group_size, "damp_percent": 0.01,
+            "desc_act": layout.desc_act, "sym": layout.sym, "true_sequential": True,
+            "model_name_or_path": None, "model_file_base_name": "model"}  # fmt: skip
 
 
 def write_checkpoint(
@@ -186,12 +219,11 @@ def write_checkpoint(
     device: torch.device | str = "cpu",
     family: str = "llama",
     window: int | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """A random GPTQ checkpoint of `shape` in `layout` at `out`, with the tokenizer of
     `tokenizer_dir` (its files copied; vocab_size need not match it), of a family of FAMILIES
     (`window`: a sliding window, where the family has one)."""
-    from safetensors.torch import save_file
-
     device = torch.device(device)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -202,6 +234,12 @@ def write_checkpoint(
         "kv": shape.num_key_value_heads * shape.head_dim,
         "intermediate": shape.intermediate_size,
     }
+    dims["qkv"] = dims["q"] + 2 * dims["kv"]
+    dims["gate_up"] = 2 * dims["intermediate"]
+    projections = FUSED_PROJECTIONS if family == "phi3" else PROJECTIONS
+    norms = ["input_layernorm", "post_attention_layernorm"]
+    if family == "gemma2":
+        norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     tokenizer = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     bos, eos = _special_ids(tokenizer_dir, tokenizer)
     tensors: dict[str, torch.Tensor] = {}
@@ -213,17 +251,23 @@ def write_checkpoint(
         head = torch.randn(embed.shape, generator=generator, device=device) * 0.5
         head[eos] = 0.0
         tensors["lm_head.weight"] = head.to(layout.dtype)
-    ones = torch.ones(shape.hidden_size, dtype=layout.dtype, device=device)
-    tensors["model.norm.weight"] = ones
+
+    def norm() -> torch.Tensor:  # Gemma's scale by 1 + weight: random offsets, the others 1
+        if family != "gemma2":
+            return torch.ones(shape.hidden_size, dtype=layout.dtype, device=device)
+        offsets = torch.rand(shape.hidden_size, generator=generator, device=device) - 0.5
+        return offsets.to(layout.dtype)
+
+    tensors["model.norm.weight"] = norm()
     for index in range(shape.num_hidden_layers):
         prefix = f"model.layers.{index}"
-        tensors[f"{prefix}.input_layernorm.weight"] = ones.clone()
-        tensors[f"{prefix}.post_attention_layernorm.weight"] = ones.clone()
+        for name in norms:
+            tensors[f"{prefix}.{name}.weight"] = norm()
         orders = {  # one act-order order per input the projections read
             rows: torch.randperm(dims[rows], generator=generator, device=device)
-            for _, rows, _ in PROJECTIONS
+            for _, rows, _ in projections
         }
-        for name, rows, columns in PROJECTIONS:
+        for name, rows, columns in projections:
             parts = quantized_linear(dims[rows], dims[columns], layout, generator, device,
                                      orders[rows])  # fmt: skip
             for field, tensor in parts.items():
@@ -236,9 +280,11 @@ def write_checkpoint(
             for name in ("q_norm", "k_norm"):
                 weight = 0.5 + torch.rand(shape.head_dim, generator=generator, device=device)
                 tensors[f"{prefix}.self_attn.{name}.weight"] = weight.to(layout.dtype)
-    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})  # fmt: skip
-    config = config_dict(shape, layout, bos, eos, family, window)
+    _save(out, {k: v.contiguous().cpu() for k, v in tensors.items()}, layout.shards)
+    config = config_dict(shape, layout, bos, eos, family, window, overrides)
+    if layout.quantize_config_file:
+        del config["quantization_config"]
+        (out / "quantize_config.json").write_text(json.dumps(quantize_config_json(layout)))
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": eos})
@@ -247,6 +293,25 @@ def write_checkpoint(
         if (tokenizer_dir / name).is_file():
             shutil.copyfile(tokenizer_dir / name, out / name)
     return out
+
+
+def _save(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
+    """One model.safetensors, or `shards` files and the index transformers reads them by."""
+    from safetensors.torch import save_file
+
+    if shards == 1:
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for index in range(shards):
+        file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[index::shards]}
+        save_file(part, str(out / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
 def _special_ids(tokenizer_dir: Path, tokenizer_config: dict[str, Any]) -> tuple[int, int]:

@@ -33,7 +33,7 @@ KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
 ATTENTION = ("auto", "native", "torch", "triton")
 # the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
 # model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 GPU_MODEL_TYPES = ("llama",)
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 PAYLOAD_MODES = ("off", "hash", "full")

@@ -222,11 +222,14 @@ def load_gptq_model(path: Path, quant: dict[str, Any], device: torch.device,
 
 
 def _rebuild_rotary(model: Any, config: Any, device: torch.device) -> None:
-    """Rotary tables are buffers computed at construction, not stored: made again on `device`
-    (the skeleton was built on the meta device)."""
+    """Rotary tables (and Gemma's embedding scale) are buffers computed at construction, not
+    stored: made again on `device` (the skeleton was built on the meta device)."""
     for name, module in list(model.named_modules()):
         if type(module).__name__.endswith("RotaryEmbedding") and any(
             b.is_meta for b in module.buffers()
         ):
             with torch.device(device):  # the tables are made where they are used
                 model.set_submodule(name, type(module)(config=config))
+        scale = getattr(module, "scalar_embed_scale", None)  # Gemma's embeddings * sqrt(hidden)
+        if scale is not None and module.embed_scale.is_meta:
+            module.embed_scale = torch.tensor(float(scale), device=device)

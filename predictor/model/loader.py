@@ -13,9 +13,13 @@ import torch
 
 from predictor.config import FUSED_KERNELS, GPU_MODEL_TYPES, KERNELS, MODEL_TYPES
 from predictor.errors import CheckpointError, UnsupportedModel
-from predictor.model.gptq import GPTQLinear, load_gptq_model
+from predictor.model.gptq import GPTQLayout, GPTQLinear, load_gptq_model
 
 log = logging.getLogger(__name__)
+
+QUANTIZE_CONFIG = "quantize_config.json"  # AutoGPTQ's, beside a config.json without one
+# families whose sliding_window, where config.json sets one, applies without a use_ flag
+WINDOWED = ("mistral", "phi3", "gemma2")
 
 
 @dataclass
@@ -40,11 +44,7 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{config_file} cannot be read: {exc}") from exc
-    quant = config.get("quantization_config") or {}
-    if str(quant.get("quant_method", "")).lower() != "gptq":
-        raise CheckpointError(
-            f"{path} is not a GPTQ checkpoint: config.json has no GPTQ quantization_config"
-        )
+    quant = quantization_config(path, config)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise CheckpointError(f"{path} is not a GPTQ checkpoint: it has no weight files")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
@@ -53,6 +53,33 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
     if int(quant.get("bits", 4)) not in (4, 8):
         raise UnsupportedModel(
             f"{quant.get('bits')}-bit GPTQ is not supported (supported: 4 and 8 bits)"
+        )
+    GPTQLayout.from_config(quant)  # the checkpoint format
+    return dict(quant)
+
+
+def quantization_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    """The GPTQ settings: config.json's `quantization_config` (transformers, optimum, gptqmodel),
+    else AutoGPTQ's `quantize_config.json` beside it (TheBloke's checkpoints: no quant_method,
+    the v1 format). CheckpointError where neither says GPTQ."""
+    quant = config.get("quantization_config")
+    side = path / QUANTIZE_CONFIG
+    if not quant and side.is_file():
+        try:
+            quant = {"quant_method": "gptq", "checkpoint_format": "gptq"}
+            quant |= json.loads(side.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{side} cannot be read: {exc}") from exc
+    quant = quant or {}
+    if str(quant.get("quant_method", "")).lower() != "gptq":
+        raise CheckpointError(
+            f"{path} is not a GPTQ checkpoint: config.json has no GPTQ quantization_config "
+            f"and there is no {QUANTIZE_CONFIG}"
+        )
+    if quant.get("lm_head"):
+        raise UnsupportedModel(
+            "a GPTQ-quantized lm_head is not supported (quantization_config lm_head: true): "
+            "the runner serves the head in bf16 or int8 of its own"
         )
     return dict(quant)
 
@@ -65,15 +92,22 @@ def check_family(config: dict[str, Any], supported: Sequence[str], where: str = 
         raise UnsupportedModel(
             f"model type {model_type!r} is not supported{where} (supported: {', '.join(supported)})"
         )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:  # Phi-4-mini's 0.75: the runner rotates every dimension of a head
+        raise UnsupportedModel(
+            f"partial_rotary_factor {partial} is not supported (only 1.0: rotary on whole heads)"
+        )
 
 
 def context_length(config: Any) -> int:
     """The tokens a request may span: max_position_embeddings, or a sliding window where the
-    model attends through one (Mistral; Qwen2/3 with use_sliding_window). Capping the context
+    model attends through one (Mistral, Phi-3, Gemma 2's every other layer; Qwen2/3 with
+    use_sliding_window). Capping the context
     at the window keeps every key a query may see inside it, so no window mask is needed."""
     length = int(getattr(config, "max_position_embeddings", 2048))
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "model_type", "") == "mistral" or bool(
+    uses_window = getattr(config, "model_type", "") in WINDOWED or bool(
         getattr(config, "use_sliding_window", False)
     )
     if uses_window and window:
@@ -159,8 +193,11 @@ def load_checkpoint(
 
 def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device,
                          kernel: str) -> Any:  # fmt: skip
-    from transformers import AutoModelForCausalLM, GPTQConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GPTQConfig
 
+    config = AutoConfig.from_pretrained(path)
+    if getattr(config, "quantization_config", None) is None:  # AutoGPTQ's quantize_config.json
+        config.quantization_config = quant
     backend = None if kernel == "auto" else kernel
     if kernel in FUSED_KERNELS:  # the runner's fused kernels start from TorchAtenLinear's weights
         backend = "gptq_torch_aten"
@@ -172,7 +209,9 @@ def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device
         # runner's native attention and layer kernels take bf16, and a CPU has no fp16
         # arithmetic faster than bf16's (vLLM's CPU backend casts fp16 to bf16 too)
         options["dtype"] = torch.bfloat16
-    return AutoModelForCausalLM.from_pretrained(path, device_map=str(target), **options)
+    return AutoModelForCausalLM.from_pretrained(
+        path, config=config, device_map=str(target), **options
+    )
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:

@@ -18,8 +18,8 @@ from predictor.model.loader import check_checkpoint, load_checkpoint
 def with_config(path: Path, **changes: object) -> Path:
     config = json.loads((path / "config.json").read_text())
     for key, value in changes.items():
-        if key == "bits":
-            config["quantization_config"]["bits"] = value
+        if key in ("bits", "lm_head", "checkpoint_format"):
+            config["quantization_config"][key] = value
         else:
             config[key] = value
     (path / "config.json").write_text(json.dumps(config))
@@ -29,9 +29,11 @@ def with_config(path: Path, **changes: object) -> Path:
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
-        ({"model_type": "gemma2"}, "model type 'gemma2' is not supported"),
-        ({"model_type": "phi3"}, "supported: llama, mistral, qwen2, qwen3"),
+        ({"model_type": "gemma3_text"}, "model type 'gemma3_text' is not supported"),
+        ({"model_type": "falcon"}, "supported: llama, mistral, qwen2, qwen3, phi3, gemma2"),
         ({"bits": 3}, "3-bit GPTQ is not supported"),
+        ({"lm_head": True}, "quantized lm_head is not supported"),
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     ],
 )
 def test_unsupported_checkpoints_are_refused_from_config_alone(
@@ -50,6 +52,7 @@ def test_unsupported_checkpoints_are_refused_from_config_alone(
 
 @pytest.mark.parametrize(("family", "window", "length"), [
     ("mistral", 256, 256), ("mistral", None, 1024), ("qwen2", 300, 300), ("qwen3", None, 1024),
+    ("phi3", 256, 256), ("phi3", None, 1024), ("gemma2", 512, 512),
 ])  # fmt: skip
 def test_a_sliding_window_caps_the_context(
     family: str, window: int | None, length: int, tmp_path: Path, tokenizer_dir: Path

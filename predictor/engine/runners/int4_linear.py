@@ -427,26 +427,28 @@ class FusedLayer:
     down: Int4Linear
 
 
+def projections(layer: Any) -> tuple[list[Any], Any, list[Any], Any]:
+    """A decoder layer's (q, k, v), o, (gate, up) and down Linears: Phi-3 stores q, k and v as
+    one `qkv_proj` and gate and up as one `gate_up_proj` (gate first), the others apart."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = [attn.qkv_proj] if hasattr(attn, "qkv_proj") else [attn.q_proj, attn.k_proj, attn.v_proj]
+    gate_up = [mlp.gate_up_proj] if hasattr(mlp, "gate_up_proj") else [mlp.gate_proj, mlp.up_proj]
+    return qkv, attn.o_proj, gate_up, mlp.down_proj
+
+
 def fuse_layer(layer: Any) -> FusedLayer | None:
     """The layer's projections fused, or None when any of them is not a plain packed
-    TorchAtenLinear (other kernels, act-order, a GPU): the runner then calls the model's own.
+    TorchAtenLinear (other kernels, a GPU): the runner then calls the model's own.
 
     The model keeps its modules (transformers' own forward still works, e.g. for evaluation);
     the fused copies add the packed weights once more (about 50 MB for SmolLM2-135M)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
-    gate_up = [mlp.gate_proj, mlp.up_proj]
-    try:
-        if not all([_packed(m, bias=True) for m in qkv]):  # Qwen2's biased q, k and v
-            return None
-        if not all([_packed(m) for m in (*gate_up, attn.o_proj, mlp.down_proj)]):
-            return None
-    except Exception:  # gptqmodel's internals moved: keep its own modules
+    qkv, o, gate_up, down = projections(layer)
+    if not all([_packed(m, bias=True) for m in qkv]):  # Qwen2's biased q, k and v
+        return None
+    if not all([_packed(m) for m in (*gate_up, o, down)]):
         return None
     if len({m.group_size for m in qkv}) != 1 or len({m.group_size for m in gate_up}) != 1:
         return None
     if not _one_order(qkv) or not _one_order(gate_up):
         return None
-    return FusedLayer(
-        Int4Linear(qkv), Int4Linear([attn.o_proj]), Int4Linear(gate_up), Int4Linear([mlp.down_proj])
-    )
+    return FusedLayer(Int4Linear(qkv), Int4Linear([o]), Int4Linear(gate_up), Int4Linear([down]))

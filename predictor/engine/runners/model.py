@@ -7,7 +7,9 @@ of its block table in one preallocated pool per layer, new ones are written in p
 tokens) per step), and attention reads a row's own positions only.
 
 The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
-Linear replacement works; attention and the cache are ours. Llama-family decoders only.
+Linear replacement works; attention and the cache are ours. Llama-family decoders and their
+kin (config.MODEL_TYPES): Qwen's biases and q/k norms, Phi-3's stored-fused projections, Gemma 2's
+sandwich norms and soft-capped logits are the differences handled here.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from predictor.engine.runners.int4_linear import (
     FusedLayer,
     Kernel,
     fuse_layer,
+    projections,
     release_repack_tables,
 )
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
@@ -110,11 +113,12 @@ class ModelRunner:
         )  # fmt: skip
         if prepacked:
             logger.info("%d dense bf16 projections prepacked for oneDNN", prepacked)
-        self._norms = [
-            (_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm))
-            for layer in self._layers
-        ]
+        # per layer: the norms before attention and before the MLP, and (Gemma 2) after each
+        self._norms = [_layer_norms(layer) for layer in self._layers]
         self._final_norm = _rms_norm(decoder.norm)
+        # Gemma 2: attention scores and the final logits squashed by cap * tanh(x / cap)
+        self._attention_cap = getattr(config, "attn_logit_softcapping", None)
+        self._logit_cap = getattr(config, "final_logit_softcapping", None)
         # Qwen3: each head's query and key RMS-normed (over head_dim) before rotary
         self._qk_norms = [
             (_rms_norm(layer.self_attn.q_norm), _rms_norm(layer.self_attn.k_norm))
@@ -175,6 +179,10 @@ class ModelRunner:
             if attention == "native":
                 raise ValueError("native attention needs a bf16 model on the CPU")
             return None
+        if self._attention_cap is not None:
+            if attention == "native":
+                raise ValueError("native attention has no soft-capping of scores (Gemma 2)")
+            return None
         try:
             return decode_attention(
                 self.head_dim, self.heads // self.kv_heads, self.block_size, self._library_cache()
@@ -229,9 +237,8 @@ class ModelRunner:
         autotune.log_choices(self.choices, threads)
         if self._release_model_weights and all(f is not None for f in self._fused):
             for layer in self._layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                               mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # fmt: skip
+                qkv, o, gate_up, down = projections(layer)
+                for module in (*qkv, o, *gate_up, down):
                     memory.empty_tensors(module)
         advised = memory.release_mapped_weights()
         memory.trim_heap()
@@ -265,16 +272,23 @@ class ModelRunner:
             return self._forward_native(hidden, plan, self._ops)
         rope = self._rope(hidden, plan.positions)
         for index, layer in enumerate(self._layers):
-            before_attention, before_mlp = self._norms[index]
-            hidden = hidden + self._attention(
-                index, layer.self_attn, before_attention(hidden), rope, plan
-            )
-            hidden = hidden + self._mlp(index, layer.mlp, before_mlp(hidden))
+            before_attention, after_attention, before_mlp, after_mlp = self._norms[index]
+            out = self._attention(index, layer.self_attn, before_attention(hidden), rope, plan)
+            hidden = hidden + after_attention(out)
+            hidden = hidden + after_mlp(self._mlp(index, layer.mlp, before_mlp(hidden)))
         if len(plan.logit_rows) != hidden.shape[0]:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
             hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
         assert self._head is not None
-        return self._head(self._final_norm(hidden)).float()  # [R, V]
+        return self._logits(self._head(self._final_norm(hidden)))  # [R, V]
+
+    def _logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        """The head's output as float32 logits, soft-capped where the model caps them."""
+        logits = head_out.float()
+        if self._logit_cap is not None:
+            cap = float(self._logit_cap)
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
 
     def _forward_native(
         self, hidden: torch.Tensor, plan: StepPlan, ops: LayerKernels
@@ -294,7 +308,7 @@ class ModelRunner:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
             normed = normed.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
         assert self._head is not None
-        return self._head(normed).float()  # [R, V]
+        return self._logits(self._head(normed))  # [R, V]
 
     def _rope(
         self, hidden: torch.Tensor, positions: list[int]
@@ -326,7 +340,7 @@ class ModelRunner:
         if fused is not None:
             qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
         else:
-            qkv = torch.cat((attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden)), -1)
+            qkv = torch.cat([linear(hidden) for linear in projections(self._layers[index])[0]], -1)
         if self._qk_norms is not None:
             qkv = self._norm_heads(index, qkv, n)
         pool = self._pools[index]
@@ -369,24 +383,58 @@ class ModelRunner:
             kv = kv.view(2, kv_heads, d, longest, dim)
             query = qkv[:d, :heads].reshape(d, kv_heads, group, dim).transpose(0, 1)
             scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, d, G, L]
-            # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
-            probs = torch.softmax(torch.add(plan.decode_bias, scores, alpha=self.scale), -1)
+            if self._attention_cap is not None:
+                scores = self._cap(scores * self.scale)
+                probs = torch.softmax(torch.add(plan.decode_bias, scores), -1)
+            else:  # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
+                probs = torch.softmax(torch.add(plan.decode_bias, scores, alpha=self.scale), -1)
             attended = torch.matmul(probs.to(kv.dtype), kv[1])  # [kv_heads, d, G, dim]
             out[:d] = attended.transpose(0, 1).reshape(d, heads * dim)
         for first, count, slots, mask in plan.prefills:
             query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
             kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
-            attended = F.scaled_dot_product_attention(
-                query,
-                kv[:, :kv_heads],
-                kv[:, kv_heads:],
-                attn_mask=mask,
-                is_causal=mask is None,
-                scale=self.scale,
-                enable_gqa=heads != kv_heads,
-            )
+            if self._attention_cap is not None:
+                attended = self._capped_attention(query, kv[:, :kv_heads], kv[:, kv_heads:], mask)
+            else:
+                attended = F.scaled_dot_product_attention(
+                    query,
+                    kv[:, :kv_heads],
+                    kv[:, kv_heads:],
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=self.scale,
+                    enable_gqa=heads != kv_heads,
+                )
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
         return fused.o.forward(out) if fused is not None else attn.o_proj(out)
+
+    def _cap(self, scores: torch.Tensor) -> torch.Tensor:
+        cap = float(self._attention_cap)  # type: ignore[arg-type]
+        return torch.tanh(scores / cap) * cap
+
+    def _capped_attention(
+        self,
+        query: torch.Tensor,  # [1, heads, Q, dim]
+        keys: torch.Tensor,  # [1, kv_heads, T, dim]; the last Q are the queries' own
+        values: torch.Tensor,
+        mask: torch.Tensor | None,  # SDPA's: True or 0 where a query may attend
+    ) -> torch.Tensor:
+        """SDPA's result with the scores soft-capped before the softmax (Gemma 2's eager
+        attention: SDPA cannot cap), in fp32."""
+        group = self.heads // self.kv_heads
+        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+        scores = self._cap(torch.matmul(query.float(), keys.float().transpose(-1, -2)) * self.scale)
+        count, total = query.shape[2], keys.shape[2]
+        if mask is None:  # causal: query i sees the keys up to its own, total - count + i
+            mask = torch.ones((count, total), dtype=torch.bool, device=query.device).tril(
+                total - count
+            )
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+        probs = torch.softmax(scores, -1)
+        return torch.matmul(probs, values.float()).to(query.dtype)
 
     def _norm_heads(self, index: int, qkv: torch.Tensor, n: int) -> torch.Tensor:
         """Qwen3's q_norm and k_norm on each head of q and k, in place ([N, q + 2 kv])."""
@@ -405,8 +453,24 @@ class ModelRunner:
             return mlp(hidden)
         if self._ops is not None:
             return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
-        gate, up = fused.gate_up.split(fused.gate_up(hidden))
+        gate, up = fused.gate_up(hidden).chunk(2, -1)  # Phi-3's one gate_up_proj: gate first
         return fused.down(mlp.act_fn(gate) * up)
+
+
+def _layer_norms(layer: Any) -> tuple[Any, Any, Any, Any]:
+    """The norms before attention, after it, before the MLP and after it: Llama's two (the
+    others pass their input on), or Gemma 2's four (its post_attention_layernorm normalises
+    attention's output; pre_feedforward_layernorm the MLP's input)."""
+    post_mlp = getattr(layer, "post_feedforward_layernorm", None)
+    if post_mlp is None:
+        return (_rms_norm(layer.input_layernorm), _unchanged,
+                _rms_norm(layer.post_attention_layernorm), _unchanged)  # fmt: skip
+    return (_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm),
+            _rms_norm(layer.pre_feedforward_layernorm), _rms_norm(post_mlp))  # fmt: skip
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _rms_norm(module: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,22 +18,51 @@ from predictor.model.loader import load_checkpoint
 from tests.engine.runners.test_model import step_logits
 from tests.support import ServerProcess, built_once, tune_cache
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 LAYOUTS = {  # served by gptqmodel's own modules where the runner cannot fuse them (act-order, 8 bits)
     "4bit-g32-asym": Layout(4, 32, sym=False),
     "4bit-g32-sym-v2-act-order": Layout(4, 32, sym=True, desc_act=True,
                                         checkpoint_format="gptq_v2"),
     "8bit-g64-asym": Layout(8, 64, sym=False),
     "4bit-per-channel-sym-fp16": Layout(4, -1, sym=True, dtype=torch.float16),
+    # TheBloke's AutoGPTQ checkpoints: quantize_config.json beside config.json, 3 shards
+    "4bit-g128-autogptq-sharded": Layout(4, 128, sym=True, quantize_config_file=True, shards=3),
 }  # fmt: skip
 SHAPE = SHAPES["tiny"]
+# Gemma 2's real attention cap (50) never binds on a tiny random model: a low one makes it
+OVERRIDES: dict[str, dict[str, Any]] = {"gemma2": {"attn_logit_softcapping": 2.0}}
+HALF = SHAPE.head_dim // 2
+# rope scaling as configs declare it: transformers' rotary module computes the tables the runner
+# uses, so each type must give the reference's tokens (longrope past its original length: the
+# long factors)
+ROPE = {
+    "llama3": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0,
+                       "original_max_position_embeddings": 256}),
+    "linear": ("mistral", {"rope_type": "linear", "factor": 2.0}),
+    "dynamic": ("qwen3", {"rope_type": "dynamic", "factor": 2.0}),
+    "longrope": ("phi3", {"rope_type": "longrope", "short_factor": [1.0] * HALF,
+                          "long_factor": [1.0 + i / 4 for i in range(HALF)],
+                          "original_max_position_embeddings": 16}),
+}  # fmt: skip
 
 
-def checkpoint(workdir: Path, tokenizer_dir: Path, family: str, layout: str) -> Path:
+def checkpoint(
+    workdir: Path, tokenizer_dir: Path, family: str, layout: str, rope: str | None = None
+) -> Path:
+    overrides = dict(OVERRIDES.get(family, {}))
+    if rope is not None:
+        params = {"rope_theta": SHAPE.rope_theta, **ROPE[rope][1]}
+        overrides["rope_parameters"] = params
+        if "original_max_position_embeddings" in params:  # Phi-3 reads it from the config
+            overrides["original_max_position_embeddings"] = params[
+                "original_max_position_embeddings"
+            ]
     return built_once(
-        workdir / "families" / f"{family}-{layout}",
+        workdir / "families" / f"{family}-{layout}{'-' + rope if rope else ''}",
         lambda out: write_checkpoint(out, SHAPE, LAYOUTS[layout], tokenizer_dir, seed=3,
-                                     family=family),
+                                     family=family, overrides=overrides),
     )  # fmt: skip
 
 
@@ -81,7 +111,8 @@ def fp32_activations(runner: ModelRunner) -> ModelRunner:
     return runner
 
 
-PROMPT = [random.Random(4).randrange(100, 40000) for _ in range(23)]
+_RANDOM = random.Random(4)
+PROMPT = [_RANDOM.randrange(100, 40000) for _ in range(23)]  # distinct tokens: values vary
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -94,10 +125,26 @@ def test_each_family_gives_transformers_tokens(
     exact = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, kernel="native_f32",
                         autotune_cache=tune_cache())  # fmt: skip
     assert all(f is not None for f in exact._fused), "every layer fused (Qwen2's biases too)"
-    assert exact._ops is not None  # native attention and layer kernels
+    if family == "gemma2":  # soft-capped scores: torch's attention, its own norms
+        assert exact._native is None and exact._ops is None
+    else:
+        assert exact._ops is not None  # native attention and layer kernels
     check_continuation(path, PROMPT, greedy(fp32_activations(exact), PROMPT, 12))
     default = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
     assert greedy(default, PROMPT, 1) == reference_tokens(path, PROMPT, 1)
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE))
+def test_each_rope_scaling_gives_transformers_tokens(
+    rope: str, workdir: Path, tokenizer_dir: Path
+) -> None:
+    family = ROPE[rope][0]
+    path = checkpoint(workdir, tokenizer_dir, family, "4bit-g32-asym", rope)
+    loaded = load_checkpoint(path, device="cpu", threads=1)
+    assert loaded.model.config.rope_parameters["rope_type"] == ROPE[rope][1]["rope_type"]
+    exact = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, kernel="native_f32",
+                        autotune_cache=tune_cache())  # fmt: skip
+    check_continuation(path, PROMPT, greedy(fp32_activations(exact), PROMPT, 8))
 
 
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - {"4bit-g32-asym"}))

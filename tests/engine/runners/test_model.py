@@ -52,7 +52,8 @@ def test_paged_attention_matches_transformers_forward(tiny_gptq: Any) -> None:
     runner = ModelRunner(
         model, torch.device("cpu"), 64, 16, kernel="int4_op", autotune_cache=tune_cache()
     )
-    prompt = [random.Random(5).randrange(100, 40000) for _ in range(23)]
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 40000) for _ in range(23)]  # distinct tokens
     ours = step_logits(runner, [prompt], 4)
     ids = prompt + [int(x.argmax()) for x in ours[:-1]]
     with torch.inference_mode():
