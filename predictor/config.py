@@ -243,7 +243,7 @@ _HELP = {
     "batch_invariant": "a request's tokens (greedy, or seeded sampling) are the same alone or "
     "in any batch, with or without prefix-cache hits, and after a preemption: each matmul runs "
     "one row-invariant kernel at every row count and every token attends as a decode row "
-    "(native attention); the cost is in README's sampling section",
+    '(native attention); the cost is in docs/engine.md, "Batch invariance"',
     "otlp_traces_endpoint": "send a trace span per request (OpenTelemetry's GenAI attributes, "
     "vLLM's latency attributes) to this OTLP collector, e.g. http://otel-collector:4317; a "
     'traceparent header or gRPC metadata makes it a child span ("": off; default from '

@@ -131,6 +131,19 @@ def load_candidate(
     return Candidate(model, tokenizer, kind, str(model.dtype).removeprefix("torch."))
 
 
+def tokens_available(path: Path, max_tokens: int = MAX_TOKENS, window: int = WINDOW) -> int:
+    """The evaluation length a checkpoint's tokenizer allows: `max_tokens`, or the whole windows
+    its shortest text holds (a larger vocabulary than SmolLM2's makes the texts fewer tokens)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    shortest = min(
+        len(tokenizer(text.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"])
+        for text in TEXTS.values()
+    )
+    return min(max_tokens, shortest // window * window)
+
+
 def text_ids(tokenizer: Any, path: Path, max_tokens: int = MAX_TOKENS) -> list[int]:
     """The first `max_tokens` token ids of an evaluation text; SystemExit when it is shorter."""
     text = path.read_text(encoding="utf-8")

@@ -3,8 +3,8 @@
 gptqmodel (7.6.0) loads a model to quantize on a CPU in bfloat16 whatever the checkpoint holds
 (its `auto_dtype`), so every calibration forward and replay multiplies in bf16. That is the fast
 choice where the CPU has bf16 dot products (AVX-512-BF16, AMX), and a slow one where it has
-not: oneDNN then emulates bf16, and with torch held to AVX2 the forwards took 225 of the GPTQ
-phase's 268 s (load/RESULTS.md, "make model profile"). `calibration_dtype` times one MLP-sized
+not: oneDNN then emulates bf16, and with torch held to AVX2 the forwards took most of the GPTQ
+phase (load/RESULTS.md, "make model profile"). `calibration_dtype` times one MLP-sized
 matmul in each dtype and takes bf16 only when it is clearly faster, since fp32 is exact.
 
 Whatever the forwards ran in, `keep_unquantized_in` stores the weights GPTQ leaves alone

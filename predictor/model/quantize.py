@@ -10,6 +10,12 @@ of France. A second run finds both checkpoints and does nothing, unless it asks 
 recipe than the one quality.json says the checkpoint was built with. Progress is shown per phase
 and, while quantizing, per layer, with the time elapsed and an estimate of what is left
 (predictor.model.progress); quality.json records both quality figures and the phases' seconds.
+
+`python -m predictor.model.quantize --source HF_FOLDER --out DIR` does the same for a user's own
+fp16/bf16/fp32 checkpoint of any family the server serves (config.MODEL_TYPES): refused in a
+moment when it is not one, then GPTQ (group 128 symmetric by default, as the Hub's checkpoints
+are), calibrated on every project text plus calibration_extra.txt (tables, lists, legal and
+technical prose), scored against the source and installed only within the bar.
 """
 
 from __future__ import annotations
@@ -28,9 +34,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from predictor.config import MODEL_TYPES
 from predictor.model import internals
 from predictor.model.env import prepare_environment
-from predictor.model.evaluate import QualityReport, evaluate, format_report
+from predictor.model.evaluate import QualityReport, evaluate, format_report, tokens_available
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
 from predictor.model.precision import calibration_dtype, keep_unquantized_in
 from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
@@ -42,7 +49,7 @@ QUALITY_QUESTION = "What is the capital of France?"
 QUALITY_ANSWER = "Paris"
 QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
 MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
-# What the GPTQ phase takes, measured (load/RESULTS.md: "make model profile", "Nineteenth session").
+# What the GPTQ phase takes, measured (load/RESULTS.md: "make model profile", "Fresh clone").
 TYPICAL_MINUTES = (
     "measured in fresh clones on 2 cores (fp32 forwards): an AVX2-only AMD EPYC Zen 1 1:41-1:44,"
     " an AMD EPYC Zen 5 held to AVX2 about 1 min, an Intel Xeon (family 6 model 167) held to AVX2"
@@ -72,7 +79,7 @@ class Recipe:
     batch_size: int = 8
     # How many of calibration.txt's texts a build of the default model uses, evenly spaced over
     # the file (0: all). Half of the 300 scored as well as all of them on both texts, in
-    # 0.6-0.7x the GPTQ phase's time (load/RESULTS.md, "Ninth session"). Not a QuantizeConfig
+    # 0.6-0.7x the GPTQ phase's time (load/RESULTS.md, "Quantization recipe"). Not a QuantizeConfig
     # field either; quantize_checkpoint uses the texts it is given.
     texts: int = 150
 
@@ -105,10 +112,25 @@ DEFAULT_RECIPE = RECIPES["default"]
 GROUP_SIZE = DEFAULT_RECIPE.group_size
 
 
-def calibration_texts() -> list[str]:
-    """The project's calibration texts, one per line of calibration.txt."""
-    path = Path(__file__).with_name("calibration.txt")
+def calibration_texts(name: str = "calibration.txt") -> list[str]:
+    """The project's calibration texts, one per line of `name` (beside this module)."""
+    path = Path(__file__).with_name(name)
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def source_texts() -> list[str]:
+    """What a `--source` build calibrates on: the default build's texts (dialogue, prose, code,
+    how-tos) and calibration_extra.txt's domains (tables, lists, legal and technical text),
+    interleaved so a recipe's evenly spaced pick keeps every domain."""
+    base = calibration_texts()
+    extra = [t.replace("\\n", "\n") for t in calibration_texts("calibration_extra.txt")]  # tables
+    step = max(1, len(base) // max(1, len(extra)))
+    texts: list[str] = []
+    for index, text in enumerate(base):
+        texts.append(text)
+        if index % step == step - 1 and extra:
+            texts.append(extra.pop(0))
+    return texts + extra
 
 
 def quantize_checkpoint(
@@ -119,8 +141,9 @@ def quantize_checkpoint(
     recipe: Recipe = DEFAULT_RECIPE,
     progress: Progress | None = None,
     dtype: str = "auto",
+    bits: int = 4,
 ) -> None:
-    """GPTQ-quantize an fp checkpoint folder to 4 bits; writes the checkpoint and tokenizer.
+    """GPTQ-quantize an fp checkpoint folder to `bits`; writes the checkpoint and tokenizer.
 
     `group_size` overrides the recipe's (the tiny test model keeps its own). With `progress`,
     each finished layer is a step of its current phase. `dtype` is that of the calibration
@@ -137,7 +160,7 @@ def quantize_checkpoint(
     dtype, _ = calibration_dtype(source, dtype)
     if group_size is not None:
         recipe = replace(recipe, group_size=group_size)
-    config = QuantizeConfig(bits=4, **recipe.quantize_config())
+    config = QuantizeConfig(bits=bits, **recipe.quantize_config())
     model = GPTQModel.load(str(source), config, dtype=getattr(torch, dtype))
     if progress is not None:
         progress.phase("layer", int(model.model.config.num_hidden_layers))
@@ -324,11 +347,106 @@ def _install(staged: Path, out: Path) -> None:
     staged.rename(out)
 
 
+def check_source(source: Path, group_size: int) -> dict[str, Any]:
+    """The source checkpoint's config.json, or SystemExit naming why it cannot be quantized:
+    read in a moment, before any weight is."""
+    config_file = source / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--source {source}: no readable config.json ({exc})") from exc
+    model_type = str(config.get("model_type", ""))
+    if model_type not in MODEL_TYPES:
+        raise SystemExit(
+            f"--source {source}: model type {model_type!r} is not served "
+            f"(supported: {', '.join(MODEL_TYPES)})"
+        )
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise SystemExit(f"--source {source} is already quantized ({method}): give an fp one")
+    if (
+        not (source / "tokenizer.json").is_file()
+        and not (source / "tokenizer_config.json").is_file()
+    ):
+        raise SystemExit(f"--source {source} has no tokenizer")
+    widths = {"hidden_size": config.get("hidden_size"),
+              "intermediate_size": config.get("intermediate_size")}  # fmt: skip
+    for name, width in widths.items():
+        if group_size > 0 and isinstance(width, int) and width % group_size:
+            raise SystemExit(
+                f"--group-size {group_size} does not divide {name} {width} of {source}"
+            )
+    return dict(config)
+
+
+def build_from_source(
+    source: Path,
+    out: Path,
+    threads: int,
+    max_ratio: float,
+    recipe: Recipe,
+    bits: int = 4,
+    console: TextIO | None = None,
+    dtype: str = "auto",
+) -> None:
+    """A user's fp checkpoint to GPTQ at `out`: quantize, score against the source, gate, install
+    (with quality.json), each phase shown with its progress."""
+    progress = Progress(console or sys.stdout, prefix="[quantize]  ")
+    config = check_source(source, recipe.group_size)
+    started = time.monotonic()
+    phases: dict[str, float] = {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gptq-build-", dir=out.parent) as tmp:
+        staged = Path(tmp) / "gptq"
+        every_text = source_texts()
+        texts = recipe.pick(every_text)
+        dtype, why = calibration_dtype(source, dtype)
+        progress.say(
+            f"[quantize] 1/2 GPTQ {bits}-bit of {source} ({config['model_type']}), "
+            f"{recipe.describe()}, {len(texts)} of {len(every_text)} calibration texts, "
+            f"{dtype} forwards ({why}), {threads} threads"
+        )
+        with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
+            quantize_checkpoint(source, staged, texts, recipe=recipe, progress=progress,
+                                dtype=dtype, bits=bits)  # fmt: skip
+        progress.say(f"[quantize] 2/2 quality against {source} (bar: test ratio <= {max_ratio})")
+        with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
+            report = evaluate(staged, source, threads=threads, kernel="fp32",
+                              max_tokens=tokens_available(source),
+                              progress=evaluation_steps(progress))  # fmt: skip
+        report = gate(report, max_ratio, shown_as=out)
+        seconds = {**phases, "total": time.monotonic() - started}
+        build = {"source": str(source), "bits": bits, "recipe": asdict(recipe),
+                 "calibration_dtype": dtype, "dtype_choice": why, "threads": threads,
+                 "cpu": cpu_name(), "seconds": seconds}  # fmt: skip
+        quality = {**report.to_json(), "build": build}
+        (staged / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
+        _install(staged, out)
+    progress.say(
+        f"[quantize] wrote {out} in {format_duration(time.monotonic() - started)} on "
+        f"{cpu_name()}, {threads} threads"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m predictor.model.quantize", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="GPTQ checkpoint folder")
+    parser.add_argument(
+        "--source",
+        type=Path,
+        help="an fp transformers checkpoint folder to quantize (default: build the default model)",
+    )
+    parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="with --source")
+    parser.add_argument(
+        "--group-size", type=int, default=128, help="with --source: 32, 64, 128 or -1 (per-channel)"
+    )
+    parser.add_argument("--asym", action="store_true", help="with --source: asymmetric groups")
+    parser.add_argument("--desc-act", action="store_true", help="with --source: act-order")
+    parser.add_argument(
+        "--texts", type=int, default=0, help="with --source: calibration texts used (0: all)"
+    )
     parser.add_argument(
         "--fp-out", type=Path, help=f"fp source checkpoint folder (default: {FP_NAME} beside --out)"
     )
@@ -353,10 +471,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
+    if args.source is not None:  # refused now, before torch and the weights are loaded
+        check_source(args.source, args.group_size)
     prepare_environment(os.environ, args.hf_home)
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.source is not None:
+        recipe = replace(RECIPES[args.recipe], group_size=args.group_size, sym=not args.asym,
+                         desc_act=args.desc_act, act_group_aware=not args.desc_act,
+                         texts=args.texts)  # fmt: skip
+        build_from_source(args.source, args.out, args.threads, args.max_ratio, recipe,
+                          bits=args.bits, dtype=args.calibration_dtype)  # fmt: skip
+        return 0
     fp_out = args.fp_out or args.out.parent / FP_NAME
     build_default_model(
         args.out,
