@@ -54,10 +54,17 @@ LLAMA_SRC := $(LLAMA_DIR)/src
 LLAMA_BIN := $(LLAMA_DIR)/build/bin
 LLAMA_JOBS ?= 2
 
+# `make test` checks the dashboard and alerts (manifests/observability) with Prometheus's own
+# promtool and server: Debian's prometheus package (2.42 on bookworm), unpacked into a gitignored
+# folder, no root needed. The tests fail without them when PROMETHEUS_TOOLS is set (as here) and
+# skip in a plain `pytest` that finds neither .tools/ nor a promtool on PATH.
+TOOLS := .tools
+PROMETHEUS_TOOLS := $(CURDIR)/$(TOOLS)/prometheus/usr/bin
+
 IMAGE ?= ghcr.io/gptq-predictor/gptq-predictor:0.1.0
 
 .PHONY: install install-dev model run test lint proto clean load image image-cpu bench-peers \
-	vllm llama-cpp
+	vllm llama-cpp prometheus-tools
 
 install: $(STAMP)
 
@@ -83,8 +90,17 @@ model: install
 run: install model
 	$(BIN)/python -m predictor --model-dir $(MODEL_DIR)
 
-test: install-dev model
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+test: install-dev model prometheus-tools
+	PROMETHEUS_TOOLS=$(PROMETHEUS_TOOLS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+prometheus-tools: $(PROMETHEUS_TOOLS)/promtool
+
+$(PROMETHEUS_TOOLS)/promtool:
+	rm -rf $(TOOLS)/deb && mkdir -p $(TOOLS)/deb
+	cd $(TOOLS)/deb && apt-get download prometheus
+	dpkg -x $(TOOLS)/deb/prometheus_*.deb $(TOOLS)/prometheus
+	rm -rf $(TOOLS)/deb
+	$@ --version && touch $@
 
 lint: install-dev
 	$(BIN)/ruff check predictor tests load
@@ -136,4 +152,4 @@ proto: install
 	$(BIN)/python tools/gen_proto.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_DIR) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LLAMA_DIR) $(TOOLS) .pytest_cache .mypy_cache .ruff_cache

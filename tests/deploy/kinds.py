@@ -10,6 +10,10 @@ Per kind (each returns error strings; empty: accepted):
   JSON schemas in the `kubernetes-validate` package, strict (unknown fields are errors).
 - HTTPRoute: HTTPROUTE_SCHEMA, the subset of Gateway API v1 that a route to an InferencePool
   uses, written down here; anything outside it is an error (no Gateway API CRD is at hand).
+- PrometheusRule (manifests/observability): PROMETHEUSRULE_SCHEMA, the Prometheus Operator's
+  monitoring.coreos.com/v1 CRD schema written down here, and its webhook's one-of record/alert;
+  the rules themselves are promtool's to check (tests/observability/test_rules.py). ConfigMap
+  (the Grafana dashboard): the Kubernetes schema, as the kinds above.
 
 Across kinds (`build_errors`): the InferenceService's effective container (the runtime's merged
 with the model spec, as KServe merges them, placeholders filled) starts our real CLI parser and
@@ -170,6 +174,82 @@ HTTPROUTE_SCHEMA: dict[str, Any] = {
         },
     },
 }
+
+
+# ---- PrometheusRule: the Prometheus Operator's CRD (monitoring.coreos.com/v1, operator 0.82) -----
+_PROM_DURATION = {
+    "type": "string",
+    "pattern": r"^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?"
+    r"(([0-9]+)ms)?)$",
+}
+_STRING_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
+PROMETHEUSRULE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"type": "string", "enum": ["monitoring.coreos.com/v1"]},
+        "kind": {"type": "string", "enum": ["PrometheusRule"]},
+        "metadata": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "spec": {
+            "type": "object",
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "items": {
+                        "type": "object",
+                        "required": ["name"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "interval": _PROM_DURATION,
+                            "query_offset": _PROM_DURATION,
+                            "labels": _STRING_MAP,
+                            "limit": {"type": "integer"},
+                            "partial_response_strategy": {
+                                "type": "string",
+                                "pattern": "(?i)^(abort|warn)?$",
+                            },
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "required": ["expr"],
+                                    "properties": {
+                                        "record": {"type": "string"},
+                                        "alert": {"type": "string"},
+                                        "expr": {"x-kubernetes-int-or-string": True},
+                                        "for": _PROM_DURATION,
+                                        "keep_firing_for": {**_PROM_DURATION, "minLength": 1},
+                                        "labels": _STRING_MAP,
+                                        "annotations": _STRING_MAP,
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def prometheus_rule_errors(doc: Doc) -> list[str]:
+    """The CRD, then what the operator's admission webhook adds: group names unique, each rule
+    a recording rule or an alert (not both), `for` and annotations on alerts only."""
+    errors = crd_errors(doc, PROMETHEUSRULE_SCHEMA)
+    if errors:
+        return errors
+    groups = doc["spec"].get("groups", [])
+    names = [g["name"] for g in groups]
+    errors += [f"spec.groups: {n!r} twice" for n in sorted(set(names)) if names.count(n) > 1]
+    for g in groups:
+        for i, rule in enumerate(g.get("rules", [])):
+            where = f"spec.groups[{g['name']}].rules[{i}]"
+            if ("record" in rule) == ("alert" in rule):
+                errors.append(f"{where}: exactly one of record and alert")
+            elif "record" in rule and {"for", "keep_firing_for", "annotations"} & set(rule):
+                errors.append(f"{where}: for, keep_firing_for and annotations are for alerts")
+    return errors
 
 
 # ---- ClusterServingRuntime --------------------------------------------------------------------
@@ -432,6 +512,8 @@ def doc_errors(doc: Doc) -> list[str]:
         return crd_errors(doc, schema)
     if kind == "HTTPRoute":
         return crd_errors(doc, HTTPROUTE_SCHEMA)
+    if kind == "PrometheusRule":
+        return prometheus_rule_errors(doc)
     return k8s_errors(doc)
 
 

@@ -16,10 +16,13 @@ from tests.deploy.kinds import build_errors, doc_errors, effective_pod, predicto
 from tests.deploy.test_manifests import MANIFESTS, OVERLAYS, kubectl
 
 Doc = dict[str, Any]
-TARGETS = {"base": "base", "runtime": "runtime"} | {o: f"overlays/{o}" for o in OVERLAYS}
+TARGETS = {"base": "base", "runtime": "runtime", "observability": "observability"} | {
+    o: f"overlays/{o}" for o in OVERLAYS
+}
 CORE = {"ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"}
 KINDS = {
     "runtime": {"ClusterServingRuntime"},
+    "observability": {"ConfigMap", "PrometheusRule"},  # the Grafana dashboard, the rules
     "storage-uri": {"InferenceService"},
     "standard": {"InferenceService", "PodDisruptionBudget"},
     "inference-pool": {"InferenceService", "PodDisruptionBudget", "InferencePool", "HTTPRoute"}
@@ -377,6 +380,29 @@ BROKEN: dict[str, tuple[str, Change, str]] = {
         edit("HTTPRoute", lambda d: d["spec"]["rules"][0].update(filter=[])),
         "unknown field",
     ),
+    # PrometheusRule and the dashboard's ConfigMap (manifests/observability)
+    "rules: unknown rule field": (
+        "observability",
+        edit("PrometheusRule", lambda d: d["spec"]["groups"][1]["rules"][0].update(summary="x")),
+        "unknown field",
+    ),
+    "rules: for as text": (
+        "observability",
+        edit(
+            "PrometheusRule", lambda d: d["spec"]["groups"][1]["rules"][0].update({"for": "5 min"})
+        ),
+        "does not match",
+    ),
+    "rules: record and alert": (
+        "observability",
+        edit("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(alert="X")),
+        "exactly one of record and alert",
+    ),
+    "dashboard: data not text": (
+        "observability",
+        edit("ConfigMap", lambda d: d["data"].update(extra=1)),
+        "is not of type 'string'",
+    ),
 }
 
 
@@ -394,7 +420,8 @@ def test_broken_sample_is_caught(case: str) -> None:
 
 def test_every_new_kind_has_a_broken_sample() -> None:
     prefixes = {case.split(":")[0] for case in BROKEN}
-    assert prefixes == {"runtime", "isvc", "pdb", "pool", "picker", "service", "rbac", "route"}
+    assert prefixes == {"runtime", "isvc", "pdb", "pool", "picker", "service", "rbac", "route",
+                        "rules", "dashboard"}  # fmt: skip
 
 
 def test_doc_errors_knows_every_kind_built() -> None:
