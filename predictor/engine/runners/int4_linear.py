@@ -20,6 +20,7 @@ a kernel no bucket chose is dropped. Only the runner uses them.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ import torch
 
 from predictor.engine.runners import internals, native
 from predictor.engine.runners.invariance import ROWWISE, rowwise
+
+logger = logging.getLogger(__name__)
 
 INT4_OP, PREPACKED = "int4_op", "prepacked_bf16"
 Kernel = Callable[[torch.Tensor], torch.Tensor]  # [N, K] bf16 -> [N, out] bf16
@@ -231,8 +234,34 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1)
 
 
+# torch's CPU int4pack (2.13): rows in blocks of 64; per block, for each k, byte d holds row d's
+# code in its low nibble and row d + 32's in its high one
+INT4PACK_BLOCK = 64
+
+
+@functools.lru_cache(maxsize=1)
+def _int4pack_is_blocked() -> bool:
+    """Whether this torch's int4pack layout is the blocked one `int4pack_codes` reads with a
+    permute: checked once against the position table of a small probe."""
+    n, k, block = 2 * INT4PACK_BLOCK, 128, INT4PACK_BLOCK
+    order = torch.arange(n * k).view(n // block, 2, block // 2, k).permute(0, 3, 2, 1)
+    blocked = torch.equal(order.reshape(-1), _int4pack_positions(n, k))
+    if not blocked:
+        logger.warning(
+            "torch's int4pack layout is not the one int4_linear.py knows: codes are read back "
+            "through a position table (a slower start-up, the same kernels)"
+        )
+    return blocked
+
+
 def int4pack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The codes [n, k] (uint8, 0..15) of a torch CPU int4pack weight."""
+    """The codes [n, k] (uint8, 0..15) of a torch CPU int4pack weight: a permute of its nibbles
+    (the layout known), else a scatter through `_int4pack_positions` (16M int64 indices at
+    1.7B shapes: seconds a shape)."""
+    block = INT4PACK_BLOCK
+    if n % block == 0 and _int4pack_is_blocked():
+        nibbles = _nibbles(qweight).view(n // block, k, block // 2, 2)
+        return nibbles.permute(0, 3, 2, 1).reshape(n, k)
     codes = torch.empty(n * k, dtype=torch.uint8)
     codes[_int4pack_positions(n, k)] = _nibbles(qweight)
     return codes.view(n, k)
@@ -293,10 +322,11 @@ def dequantize_int4pack(
 def _dequantize_codes(
     codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    codes = codes.float()  # [N, K]
-    scales = scales_and_zeros[..., 0].float().t().repeat_interleave(group_size, dim=1)
-    zeros = scales_and_zeros[..., 1].float().t().repeat_interleave(group_size, dim=1)
-    return codes.sub_(8).mul_(scales).add_(zeros).to(torch.bfloat16)
+    n, k = codes.shape
+    scales = scales_and_zeros[..., 0].float().t().unsqueeze(-1)  # [N, groups, 1]
+    zeros = scales_and_zeros[..., 1].float().t().unsqueeze(-1)
+    weight = codes.reshape(n, k // group_size, group_size).float()  # each group broadcast
+    return weight.sub_(8).mul_(scales).add_(zeros).view(n, k).to(torch.bfloat16)
 
 
 def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:

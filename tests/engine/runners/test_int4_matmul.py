@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from predictor.engine.runners import native
-from predictor.engine.runners.int4_linear import Int4Linear, _repack, int4pack_codes
+from predictor.engine.runners.int4_linear import (
+    Int4Linear,
+    _int4pack_is_blocked,
+    _repack,
+    int4pack_codes,
+)
 from tests.support import native_cache
 
 ISAS = native.usable_isas()
@@ -60,6 +65,9 @@ def run_kernel(
 
 
 def test_int4pack_codes_reads_torchs_layout_back() -> None:
+    """By a permute where rows come in whole blocks of 64 (this torch's layout, checked: the fast
+    path is in use), else through the position table."""
+    assert _int4pack_is_blocked()
     for n, k in ((16, 32), (48, 96), (960, 576), (64, 128)):
         q = quantized(n, k, 32, seed=n)
         assert torch.equal(int4pack_codes(q["packed"], n, k).int(), q["codes"])
