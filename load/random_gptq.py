@@ -68,6 +68,7 @@ class Layout:
     dtype: torch.dtype = torch.bfloat16  # of every other tensor
     quantize_config_file: bool = False  # AutoGPTQ's quantize_config.json, not in config.json
     shards: int = 1  # safetensors files, with an index where more than one
+    lm_head: bool = False  # the head GPTQ-quantized too (untied shapes only)
 
 
 # model_type -> (architecture, the config keys that differ from Llama's)
@@ -198,7 +199,7 @@ def quantization_config(layout: Layout) -> dict[str, Any]:
         "desc_act": layout.desc_act,
         "checkpoint_format": layout.checkpoint_format,
         "pack_dtype": "int32",
-        "lm_head": False,
+        "lm_head": layout.lm_head,
     }
 
 
@@ -251,6 +252,13 @@ def write_checkpoint(
         head = torch.randn(embed.shape, generator=generator, device=device) * 0.5
         head[eos] = 0.0
         tensors["lm_head.weight"] = head.to(layout.dtype)
+    if layout.lm_head:  # codes of random weights: the head's own values are not kept
+        assert not shape.tie_word_embeddings, "a quantized head is an untied one"
+        del tensors["lm_head.weight"]
+        head_parts = quantized_linear(shape.hidden_size, shape.vocab_size, layout, generator,
+                                      device)  # fmt: skip
+        for field, tensor in head_parts.items():
+            tensors[f"lm_head.{field}"] = tensor
 
     def norm() -> torch.Tensor:  # Gemma's scale by 1 + weight: random offsets, the others 1
         if family != "gemma2":

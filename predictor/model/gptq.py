@@ -177,6 +177,28 @@ def read_tensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def read_module(path: Path, prefix: str, device: torch.device) -> dict[str, torch.Tensor]:
+    """The tensors of one module (`prefix`.qweight, ...) by field, read from the shard(s) that
+    hold them and nothing else."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = [
+            path / n
+            for n in sorted({f for k, f in weight_map.items() if k.startswith(prefix + ".")})
+        ]
+    parts: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as opened:
+            for key in opened.keys():  # noqa: SIM118 (safe_open is no dict)
+                if key.startswith(prefix + "."):
+                    parts[key[len(prefix) + 1 :]] = opened.get_tensor(key)
+    return parts
+
+
 def load_gptq_model(path: Path, quant: dict[str, Any], device: torch.device,
                     dtype: torch.dtype) -> Any:  # fmt: skip
     """The checkpoint as a transformers causal LM on `device`: plain tensors in `dtype`, each

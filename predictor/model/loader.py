@@ -13,7 +13,13 @@ import torch
 
 from predictor.config import FUSED_KERNELS, GPU_MODEL_TYPES, KERNELS, MODEL_TYPES
 from predictor.errors import CheckpointError, UnsupportedModel
-from predictor.model.gptq import GPTQLayout, GPTQLinear, load_gptq_model
+from predictor.model.gptq import (
+    GPTQLayout,
+    GPTQLinear,
+    gptq_linear,
+    load_gptq_model,
+    read_module,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +81,6 @@ def quantization_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
         raise CheckpointError(
             f"{path} is not a GPTQ checkpoint: config.json has no GPTQ quantization_config "
             f"and there is no {QUANTIZE_CONFIG}"
-        )
-    if quant.get("lm_head"):
-        raise UnsupportedModel(
-            "a GPTQ-quantized lm_head is not supported (quantization_config lm_head: true): "
-            "the runner serves the head in bf16 or int8 of its own"
         )
     return dict(quant)
 
@@ -167,6 +168,9 @@ def load_checkpoint(
                 cpu_dtype = torch.bfloat16 if stored == torch.float16 else stored
                 dtype = torch.bfloat16 if target.type == "cuda" else cpu_dtype
             model = load_gptq_model(path, quant, target, dtype)
+            head = model.get_output_embeddings()
+            if isinstance(head, GPTQLinear):  # a quantized head: served expanded, as on a CPU
+                model.set_output_embeddings(dense_linear(head, dtype))
         else:
             model = _load_with_gptqmodel(path, quant, target, kernel)
     except CheckpointError:
@@ -209,9 +213,18 @@ def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device
         # runner's native attention and layer kernels take bf16, and a CPU has no fp16
         # arithmetic faster than bf16's (vLLM's CPU backend casts fp16 to bf16 too)
         options["dtype"] = torch.bfloat16
-    return AutoModelForCausalLM.from_pretrained(
+    model: Any = AutoModelForCausalLM.from_pretrained(
         path, config=config, device_map=str(target), **options
     )
+    if quant.get("lm_head"):
+        # transformers loads a GPTQ head as a plain Linear of random weights (its packed
+        # tensors "unexpected"): the head is expanded here from them, once, as the runner
+        # serves a head (bf16, or its own int8) in any case
+        dtype = model.get_input_embeddings().weight.dtype
+        layout = GPTQLayout.from_config(quant)
+        head = gptq_linear(read_module(path, "lm_head", target), layout, "lm_head")
+        model.set_output_embeddings(dense_linear(head, dtype))
+    return model
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:
@@ -231,23 +244,28 @@ def dequantize_linears(model: Any) -> None:
     dtype = model.get_input_embeddings().weight.dtype
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, GPTQLinear):
-                continue
-            linear = torch.nn.Linear(
-                child.in_features, child.out_features, bias=child.bias is not None,
-                device="meta", dtype=dtype,
-            )  # fmt: skip
-            stored = child.dequantized()  # [K, N], rows in stored order
-            weight = torch.empty_like(stored)
-            if child.perm is None:
-                weight = stored
-            else:  # stored row k multiplies input perm[k]
-                weight[child.perm] = stored
-            linear.weight = torch.nn.Parameter(weight.t().to(dtype), requires_grad=False)
-            if child.bias is not None:
-                bias = child.bias.to(dtype=dtype, copy=True)
-                linear.bias = torch.nn.Parameter(bias, requires_grad=False)
-            setattr(parent, name, linear.eval())
+            if isinstance(child, GPTQLinear):
+                setattr(parent, name, dense_linear(child, dtype))
+
+
+@torch.no_grad()
+def dense_linear(child: GPTQLinear, dtype: torch.dtype) -> torch.nn.Linear:
+    """An nn.Linear holding `child`'s dequantized weight in `dtype`."""
+    linear = torch.nn.Linear(
+        child.in_features, child.out_features, bias=child.bias is not None,
+        device="meta", dtype=dtype,
+    )  # fmt: skip
+    stored = child.dequantized()  # [K, N], rows in stored order
+    weight = torch.empty_like(stored)
+    if child.perm is None:
+        weight = stored
+    else:  # stored row k multiplies input perm[k]
+        weight[child.perm] = stored
+    linear.weight = torch.nn.Parameter(weight.t().to(dtype), requires_grad=False)
+    if child.bias is not None:
+        bias = child.bias.to(dtype=dtype, copy=True)
+        linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+    return linear.eval()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

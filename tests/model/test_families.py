@@ -32,7 +32,6 @@ def with_config(path: Path, **changes: object) -> Path:
         ({"model_type": "gemma3_text"}, "model type 'gemma3_text' is not supported"),
         ({"model_type": "falcon"}, "supported: llama, mistral, qwen2, qwen3, phi3, gemma2"),
         ({"bits": 3}, "3-bit GPTQ is not supported"),
-        ({"lm_head": True}, "quantized lm_head is not supported"),
         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     ],
 )

@@ -27,6 +27,8 @@ LAYOUTS = {  # served by gptqmodel's own modules where the runner cannot fuse th
     "4bit-per-channel-sym-fp16": Layout(4, -1, sym=True, dtype=torch.float16),
     # TheBloke's AutoGPTQ checkpoints: quantize_config.json beside config.json, 3 shards
     "4bit-g128-autogptq-sharded": Layout(4, 128, sym=True, quantize_config_file=True, shards=3),
+    # gptqmodel's lm_head=True: transformers would load a random head; expanded from its codes
+    "4bit-g128-sym-quantized-head": Layout(4, 128, sym=True, lm_head=True),
 }  # fmt: skip
 SHAPE = SHAPES["tiny"]
 # Gemma 2's real attention cap (50) never binds on a tiny random model: a low one makes it
@@ -163,6 +165,9 @@ def test_each_layout_gives_transformers_first_token(
         first = runner._fused[0]
         assert all(f is not None for f in runner._fused)
         assert first is not None and first.qkv.order is not None
+    if LAYOUTS[layout].lm_head:
+        want = reference(path).lm_head.weight
+        assert torch.allclose(loaded.model.lm_head.weight.float(), want, rtol=0.01, atol=1e-3)
     got = greedy(runner, PROMPT, 4)
     assert got[0] == expected[0]
 
