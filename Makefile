@@ -103,8 +103,8 @@ $(PROMETHEUS_TOOLS)/promtool:
 	$@ --version && touch $@
 
 lint: install-dev
-	$(BIN)/ruff check predictor tests load
-	$(BIN)/ruff format --check predictor tests load
+	$(BIN)/ruff check predictor tests load emulate
+	$(BIN)/ruff format --check predictor tests load emulate
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

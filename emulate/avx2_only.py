@@ -1,6 +1,6 @@
 """Run a command as on an AVX2-only CPU (no AVX-512, AMX or AVX-VNNI) on a CPU that has them.
 
-    python -m load.avx2_only -- make test
+    python -m emulate.avx2_only -- make test
 
 An AVX2-only CPU (an AMD EPYC Zen 1, say) changes three choices here, each held back for the
 command and every process it starts:
@@ -17,7 +17,7 @@ command and every process it starts:
 
 Where the namespace cannot be made (not root, no `unshare`) it refuses rather than run with one
 of the three held back and not the others. Only instruction sets are held back, not speed: a
-Zen 1 also runs a lower clock and splits each 256-bit operation in two (`load.half_speed`
+Zen 1 also runs a lower clock and splits each 256-bit operation in two (`emulate.half_speed`
 stands in for a slower CPU); a figure measured under it is an estimate, named as one.
 """
 
@@ -51,7 +51,7 @@ REAL_CC = "AVX2_ONLY_CC"
 # Mounts the copy over /proc/cpuinfo, in the namespace unshare made, then becomes the command.
 MOUNT = 'mount --bind "$0" /proc/cpuinfo && exec "$@"'
 WRAPPER = """#!/bin/sh
-# load.avx2_only: {real} with -march={march} wherever -march=native is asked for
+# emulate.avx2_only: {real} with -march={march} wherever -march=native is asked for
 for arg do
     shift
     if [ "$arg" = "-march=native" ]; then arg="-march={march}"; fi
@@ -161,7 +161,7 @@ def run(command: Sequence[str], march: str = "znver1", folder: Path | None = Non
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m load.avx2_only", description=(__doc__ or "").split("\n")[0]
+        prog="python -m emulate.avx2_only", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument(
         "--march", default="znver1", help="what -march=native becomes (gcc's names)"
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("a command is needed: python -m load.avx2_only -- make test")
+        parser.error("a command is needed: python -m emulate.avx2_only -- make test")
     return run(command, march=args.march)
 
 

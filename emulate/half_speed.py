@@ -1,6 +1,6 @@
 """Run a command on half of each core: what a CPU of half this one's speed would take.
 
-    python -m load.half_speed -- make test
+    python -m emulate.half_speed -- make test
 
 One busy loop per core, pinned to it, takes the other half of every core for as long as the
 command runs. Where the cgroup v1 `cpu` controller is writable (root), the loops and the command
@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
-HOG = "# load.half_speed: a busy loop\nwhile True:\n    pass"
+HOG = "# emulate.half_speed: a busy loop\nwhile True:\n    pass"
 
 
 def cores() -> list[int]:
@@ -105,14 +105,14 @@ def run(command: Sequence[str], use_cgroups: bool = True) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m load.half_speed", description=(__doc__ or "").split("\n")[0]
+        prog="python -m emulate.half_speed", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument("--no-cgroups", action="store_true", help="plain busy loops, even as root")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
-        parser.error("a command is needed: python -m load.half_speed -- make test")
+        parser.error("a command is needed: python -m emulate.half_speed -- make test")
     return run(command, use_cgroups=not args.no_cgroups)
 
 

@@ -1,4 +1,4 @@
-"""load.avx2_only: a command sees an AVX2-only CPU (flags, compiler, torch), nothing else does."""
+"""emulate.avx2_only: a command sees an AVX2-only CPU (flags, compiler, torch), nothing else does."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from load import avx2_only
+from emulate import avx2_only
 from predictor.toolchain import cpu_flags
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ flags\t\t: fpu avx avx2 fma f16c avx512f avx512bw avx512_vnni avx_vnni amx_tile 
 # run as on an AVX2-only CPU: what it sees of the CPU, the compiler and torch, then exit 3
 PROBE = """
 import json, os, subprocess, torch
-from load.avx2_only import HELD
+from emulate.avx2_only import HELD
 from predictor.engine.runners import native
 from predictor.toolchain import compiler, cpu_flags
 macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-"], input="",
@@ -82,7 +82,7 @@ def test_the_command_sees_an_avx2_only_cpu_and_its_exit_code_is_returned(tmp_pat
         pytest.skip(why_not)
     before = cpu_flags()
     done = subprocess.run(
-        [sys.executable, "-m", "load.avx2_only", "--", sys.executable, "-c", PROBE],
+        [sys.executable, "-m", "emulate.avx2_only", "--", sys.executable, "-c", PROBE],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 3, done.stderr
@@ -115,6 +115,6 @@ def test_where_no_mount_namespace_can_be_made_it_refuses_and_runs_nothing(
 
 def test_a_command_is_required() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "load.avx2_only"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "emulate.avx2_only"], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 2 and "a command is needed" in done.stderr

@@ -1,4 +1,4 @@
-"""load.half_speed: one pinned busy loop per core while the command runs, none after it."""
+"""emulate.half_speed: one pinned busy loop per core while the command runs, none after it."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from load import half_speed
+from emulate import half_speed
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def loops_of(parent: int) -> list[int]:
-    """The busy loops `parent` started (a run of the suite under load.half_speed has its own)."""
+    """The busy loops `parent` started (a run of the suite under emulate.half_speed has its own)."""
     pids = []
     for pid in os.listdir("/proc"):
         try:
@@ -32,7 +32,7 @@ def loops_of(parent: int) -> list[int]:
 # run beside the loops: what it sees of its parent's loops, then exit 3
 PROBE = """
 import json, os
-from tests.load.test_half_speed import loops_of
+from tests.emulate.test_half_speed import loops_of
 pids = loops_of(os.getppid())
 print(json.dumps({"cores": [sorted(os.sched_getaffinity(p)) for p in pids],
                   "cgroup": open("/proc/self/cgroup").read()}))
@@ -43,7 +43,7 @@ raise SystemExit(3)
 def run(*flags: str) -> tuple[int, str, dict[str, Any], int]:
     """Exit code, stderr, what the probe saw and the run's pid; no loop of it is left after."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "load.half_speed", *flags, "--", sys.executable, "-c", PROBE],
+        [sys.executable, "-m", "emulate.half_speed", *flags, "--", sys.executable, "-c", PROBE],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     out, err = proc.communicate(timeout=120)
@@ -64,7 +64,7 @@ def test_where_cgroups_can_be_made_the_command_gets_its_own() -> None:
     code, err, seen, pid = run()
     assert code == 3, err
     assert sorted(seen["cores"]) == [[core] for core in half_speed.cores()]
-    # (a run of the suite under load.half_speed is in a group of its own run)
+    # (a run of the suite under emulate.half_speed is in a group of its own run)
     assert (f"half_speed-{pid}-command" in seen["cgroup"]) == writable, seen["cgroup"]
     assert ("cgroups of equal weight" in err) == writable
     assert not list(half_speed.CGROUP_CPU.glob(f"half_speed-{pid}-*"))  # removed after
@@ -72,6 +72,6 @@ def test_where_cgroups_can_be_made_the_command_gets_its_own() -> None:
 
 def test_a_command_is_required() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "load.half_speed"], cwd=REPO, capture_output=True, text=True
+        [sys.executable, "-m", "emulate.half_speed"], cwd=REPO, capture_output=True, text=True
     )
     assert done.returncode == 2 and "a command is needed" in done.stderr
