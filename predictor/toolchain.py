@@ -41,27 +41,30 @@ def build(
     variants: Sequence[Sequence[str]] = (["-march=native"], []),
     cache_dir: Path | None = None,
     loader: Callable[[str], ctypes.CDLL] = ctypes.PyDLL,
+    headers: Sequence[Path] = (),
 ) -> ctypes.CDLL:
     """Compile the C file `source` with `flags` and these -D constants and load it with `loader`:
     the first of `variants` (extra flags) that compiles; by default -march=native first (some
-    compilers lack it). With a `cache_dir`, the library is kept there under a digest of the
-    source, the compiler, the flags and this CPU, and loaded from there next time.
+    compilers lack it). `headers`: the files it includes, their folders on the include path.
+    With a `cache_dir`, the library is kept there under a digest of the source and its headers,
+    the compiler, the flags and this CPU, and loaded from there next time.
     NativeUnavailable (with the compiler's words) when no variant builds or it cannot load.
 
     A PyDLL's calls keep the GIL (the runner's microsecond kernels: a release per call costs
     more than it frees); a CDLL's release it, for a long call beside other Python threads."""
     cc = compiler()
+    folders = dict.fromkeys(header.parent for header in headers)
+    compile_flags = [*flags, *(f"-I{folder}" for folder in folders)]
     if cache_dir is None:
-        return _compile(cc, source, flags, defines, variants, None, loader)
-    cached = (
-        cache_dir / f"{source.stem}-{build_digest(cc, [*flags, *defines], source, variants)}.so"
-    )
+        return _compile(cc, source, compile_flags, defines, variants, None, loader)
+    digest = build_digest(cc, [*flags, *defines], source, variants, headers)
+    cached = cache_dir / f"{source.stem}-{digest}.so"
     with contextlib.suppress(OSError):  # not there yet, or unloadable (noexec): build it
         return loader(str(cached))
     with _building(cached):  # a process building it already: wait, then load what it kept
         with contextlib.suppress(OSError):
             return loader(str(cached))
-        return _compile(cc, source, flags, defines, variants, cached, loader)
+        return _compile(cc, source, compile_flags, defines, variants, cached, loader)
 
 
 @contextlib.contextmanager
@@ -127,9 +130,14 @@ def build_or_none(
 
 
 def build_digest(
-    cc: str, flags: Sequence[str], source: Path, variants: Sequence[Sequence[str]]
+    cc: str,
+    flags: Sequence[str],
+    source: Path,
+    variants: Sequence[Sequence[str]],
+    headers: Sequence[Path] = (),
 ) -> str:
-    """What a cached library was built from: source, compiler and version, flags, this CPU."""
+    """What a cached library was built from: source and headers (their text, not where they
+    lie), compiler and version, flags, this CPU."""
     try:
         version = subprocess.run(
             [cc, "-dumpfullversion", "-dumpversion"], capture_output=True, text=True, timeout=30
@@ -137,6 +145,7 @@ def build_digest(
     except (OSError, subprocess.SubprocessError):
         version = ""
     identity: list[object] = [source.read_text(), shutil.which(cc) or cc, version]
+    identity += [header.read_text() for header in headers]
     identity += [list(flags), [list(v) for v in variants], cpu_model(), sorted(cpu_flags())]
     return hashlib.sha256(repr(identity).encode()).hexdigest()[:20]
 

@@ -93,6 +93,26 @@ def test_a_cached_build_is_loaded_without_compiling(
 
 
 @needs_compiler
+def test_a_header_from_another_folder_is_found_and_an_edit_of_it_rebuilds(tmp_path: Path) -> None:
+    """The runner's kernels include native_common.h: found wherever the source lies (a test's
+    copy of a kernel), and part of the cache key (the source alone has not changed)."""
+    header, folder = tmp_path / "include" / "value.h", tmp_path / "source"
+    header.parent.mkdir()
+    folder.mkdir()
+    source = _source(folder, '#include "value.h"\nint value(void) { return VALUE; }\n')
+    cache = tmp_path / "cache"
+
+    def value() -> int:
+        return int(toolchain.build(source, ["-O2"], cache_dir=cache, headers=[header]).value())
+
+    header.write_text("#define VALUE 1\n")
+    assert value() == 1
+    header.write_text("#define VALUE 2\n")
+    assert value() == 2
+    assert len(list(cache.glob("probe-*.so"))) == 2
+
+
+@needs_compiler
 def test_builds_of_one_library_at_once_compile_it_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,7 @@
-/* GPTQ's column loop over one block of 128 columns, on the CPU: what gptqmodel's eager loop in
- * GPTQ.quantize computes column by column, and what its CUDA block update (gptqmodel_ext/
- * gptq_block) computes on a GPU, for asymmetric grouped quantization.
+/* predictor/model/block_update.c (built and loaded by block_update.py): GPTQ's column loop over
+ * one block of 128 columns, on the CPU: what gptqmodel's eager loop in GPTQ.quantize computes
+ * column by column, and what its CUDA block update (gptqmodel_ext/gptq_block) computes on a GPU,
+ * for asymmetric grouped quantization.
  *
  * For each pivot column p of the block, in order, and each row r:
  *   q       = scale * (clamp(round(w / scale) + zero, 0, maxq) - zero)   (Quantizer.quantize)

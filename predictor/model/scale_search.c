@@ -1,4 +1,5 @@
-/* gptqmodel's MSE scale search for one group of columns, in one pass over the weights.
+/* predictor/model/scale_search.c (built and loaded by scale_search.py): gptqmodel's MSE scale
+   search for one group of columns, in one pass over the weights.
 
    For each row r of x (rows x cols, row stride `stride` floats) and each shrink candidate p of
    `shrink` (in order), the range [p * xmin[r], p * xmax[r]] gives

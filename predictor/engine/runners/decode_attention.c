@@ -1,4 +1,5 @@
-/* Decode attention straight from the paged KV cache, for the CPU runner (engine/native.py).
+/* predictor/engine/runners/decode_attention.c: decode attention straight from the paged KV
+ * cache, for the CPU runner (built and loaded by native.py: decode_attention).
  *
  * One query token per row. Each row's keys and values are read where they lie, block by block
  * through the row's block table: no gather into a padded copy, no mask, no work past a row's
@@ -13,41 +14,11 @@
  */
 #include <stdint.h>
 
+#include "native_common.h"
+
 #ifndef DIM
 #error "compile with -DDIM=<head_dim> -DGROUP=<heads per kv head> -DBLOCK=<block size>"
 #endif
-
-static inline float from_bf16(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x) for x <= 0 (softmax after subtracting the maximum), relative error ~2e-7 */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = __builtin_roundf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 /* A row's blocks lie anywhere in the pool (rows take blocks as they grow, interleaved), where
    the hardware prefetcher cannot follow: the next block is requested while this one is used.
@@ -91,7 +62,7 @@ static void attend(const uint16_t *q, int64_t q_stride, const uint16_t *pool, in
     for (int g = 0; g < GROUP; g++) { /* softmax numerators and their sums */
         float *p = scratch + g * length, sum = 0.0f;
         for (int64_t l = 0; l < length; l++) {
-            p[l] = exp_nonpositive(p[l] - best[g]);
+            p[l] = exp_approx(p[l] - best[g]); /* x <= 0 */
             sum += p[l];
         }
         total[g] = sum;

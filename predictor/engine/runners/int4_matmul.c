@@ -1,5 +1,6 @@
-/* 4-bit GPTQ matmul for the CPU runner (engine/int4_linear.py, built by engine/native.py):
- * out = x @ W^T, the weights 4-bit in memory, dequantized in registers.
+/* predictor/engine/runners/int4_matmul.c: the 4-bit GPTQ matmul for the CPU runner
+ * (int4_linear.py; built and loaded by native.py: int4_matmul): out = x @ W^T, the weights 4-bit
+ * in memory, dequantized in registers.
  *
  * Layout, made at load by int4_repack: tiles of 16 output columns; per tile and group of GS
  * inputs, the 16 columns' bf16 scales, their bf16 zero offsets (torch's int4pack convention:
@@ -15,94 +16,21 @@
  *   i8:  x quantized per 32 inputs to int8 with a scale (llama.cpp's Q8 trick), 4 products
  *        summed per instruction into int32 (AVX-512 VNNI / AVX-VNNI dpbusd, else maddubs +
  *        madd); per 32 inputs: acc += float(dot) * scale * dx + m * sum(x).
- * VW (8: AVX2, 16: AVX-512) and DOT (vnni or madd) are -D constants: one build per instruction
- * set, chosen at run time by the CPU's flags. bf16 out. OpenMP splits the tiles over threads
- * (in the runner: the libgomp.so.1 torch already loaded, one pool).
+ * VW (8: AVX2, 16: AVX-512) and VNNI are -D constants: one build per instruction set, chosen at
+ * run time by the CPU's flags; the vector mappings, the int8 rows and the tile driver are
+ * native_common.h's. bf16 out. OpenMP splits the tiles over threads (in the runner: the
+ * libgomp.so.1 torch already loaded, one pool).
  *
  * x:   bf16 [rows][k]          out: bf16 [rows][out_stride], columns [0, n)
  * w:   uint8, ceil(n / 16) * (k / GS) * (64 + GS * 8) bytes
  */
-#include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 
 #ifndef VW
 #error "compile with -DVW=8 (AVX2) or -DVW=16 (AVX-512)"
 #endif
-#ifndef VNNI
-#define VNNI 0
-#endif
 
-#define TILE 16
-#define HALVES (TILE / VW)
-#define RB_F32 (VW == 16 ? 16 : 8) /* rows sharing one dequantized vector: what registers allow */
-#define RB_I8 (VW == 16 ? 8 : 4)
-#define XB 32 /* inputs per int8 activation block */
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-
-#if VW == 16
-typedef __m512i ivec;
-static inline vf load_bf16(const uint16_t *p) {
-    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
-    return (vf)_mm512_castsi512_ps(u);
-}
-static inline ivec load_words(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline ivec splat32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-static inline ivec dot4(ivec acc, ivec u8, ivec s8) {
-#if VNNI
-    return _mm512_dpbusd_epi32(acc, u8, s8);
-#else
-    const __m512i pairs = _mm512_maddubs_epi16(u8, s8); /* 15 * 127 * 2 fits int16 */
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-#endif
-}
-static inline vf to_float(ivec v) { return (vf)_mm512_cvtepi32_ps(v); }
-static inline ivec izero(void) { return _mm512_setzero_si512(); }
-#else
-typedef __m256i ivec;
-static inline vf load_bf16(const uint16_t *p) {
-    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
-    return (vf)_mm256_castsi256_ps(u);
-}
-static inline ivec load_words(const uint8_t *p) { return _mm256_loadu_si256((const void *)p); }
-static inline ivec splat32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-static inline ivec dot4(ivec acc, ivec u8, ivec s8) {
-#if VNNI
-    return _mm256_dpbusd_avx_epi32(acc, u8, s8);
-#else
-    const __m256i pairs = _mm256_maddubs_epi16(u8, s8);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
-}
-static inline vf to_float(ivec v) { return (vf)_mm256_cvtepi32_ps(v); }
-static inline ivec izero(void) { return _mm256_setzero_si256(); }
-#endif
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
-}
+#include "native_common.h"
 
 static inline size_t group_bytes(int64_t gs) { return (size_t)(64 + gs * 8); }
 
@@ -212,19 +140,7 @@ static inline __attribute__((always_inline)) void i8_rows(const uint8_t *tile, i
 static void f32_block(const uint8_t *tile, int64_t col0, int64_t groups, int64_t gs,
                       const float *xf, int64_t count, int64_t k, int64_t n, uint16_t *out,
                       int64_t out_stride) {
-    for (int half = 0; half < HALVES; half++) {
-        const int64_t col = col0 + half * VW;
-        if (col >= n) break;
-        switch (count) {
-            F32_CASE(1) F32_CASE(2) F32_CASE(3) F32_CASE(4)
-            F32_CASE(5) F32_CASE(6) F32_CASE(7) F32_CASE(8)
-#if RB_F32 > 8
-            F32_CASE(9) F32_CASE(10) F32_CASE(11) F32_CASE(12)
-            F32_CASE(13) F32_CASE(14) F32_CASE(15) F32_CASE(16)
-#endif
-        default: break;
-        }
-    }
+    TILE_HALVES(col0, n, count, ROW_CASES_F32(F32_CASE))
 }
 
 #define I8_CASE(R)                                                                            \
@@ -237,51 +153,7 @@ static void f32_block(const uint8_t *tile, int64_t col0, int64_t groups, int64_t
 static void i8_block(const uint8_t *tile, int64_t col0, int64_t groups, int64_t gs,
                      const int8_t *xq, const float *dx, const float *xs, int64_t count,
                      int64_t k, int64_t n, uint16_t *out, int64_t out_stride) {
-    for (int half = 0; half < HALVES; half++) {
-        const int64_t col = col0 + half * VW;
-        if (col >= n) break;
-        switch (count) {
-            I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4)
-#if RB_I8 > 4
-            I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8)
-#endif
-        default: break;
-        }
-    }
-}
-
-/* Per calling thread (OpenMP workers only read it): the activations in the kernel's form. */
-static __thread void *scratch = 0;
-static __thread size_t scratch_size = 0;
-
-static void *scratch_for(size_t bytes) {
-    if (bytes > scratch_size) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_size = scratch ? bytes : 0;
-    }
-    return scratch;
-}
-
-/* x [rows][k] bf16 -> int8 per block of XB with scale dx = max|x| / 127 and the block's sum. */
-static void quantize_rows(const uint16_t *x, int64_t rows, int64_t k, int8_t *xq, float *dx,
-                          float *xs) {
-    const int64_t blocks = k / XB;
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            float v[XB], amax = 0.0f, sum = 0.0f;
-            for (int i = 0; i < XB; i++) {
-                v[i] = from_bf16(x[r * k + b * XB + i]);
-                const float a = v[i] < 0 ? -v[i] : v[i];
-                amax = a > amax ? a : amax;
-                sum += v[i];
-            }
-            const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
-            for (int i = 0; i < XB; i++) xq[r * k + b * XB + i] = (int8_t)__builtin_roundf(v[i] * inverse);
-            dx[r * blocks + b] = d;
-            xs[r * blocks + b] = sum;
-        }
-    }
+    TILE_HALVES(col0, n, count, ROW_CASES_I8(I8_CASE))
 }
 
 /* out[rows][0..n) = x[rows][k] @ dequantized(w)^T. int8: 0 for the f32 kernel, 1 for the i8
@@ -290,8 +162,6 @@ int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, in
                 int64_t gs, uint16_t *out, int64_t out_stride, int64_t threads, int64_t int8) {
     const int64_t tiles = (n + TILE - 1) / TILE, groups = k / gs;
     const size_t tbytes = (size_t)groups * group_bytes(gs);
-    const int team = threads > 1 ? (int)threads : 1;
-    (void)team;
     if (int8) {
         if (gs % XB) return -2;
         const size_t blocks = (size_t)rows * (size_t)(k / XB);
@@ -299,34 +169,19 @@ int int4_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, in
         if (!buffer) return -1;
         float *dx = (float *)buffer, *xs = dx + blocks;
         int8_t *xq = (int8_t *)(xs + blocks);
-        quantize_rows(x, rows, k, xq, dx, xs);
-        const int64_t chunks = (rows + RB_I8 - 1) / RB_I8, per = k / XB;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-#endif
-        for (int64_t t = 0; t < tiles; t++) {
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t r0 = c * RB_I8, count = rows - r0 < RB_I8 ? rows - r0 : RB_I8;
-                i8_block(w + t * tbytes, t * TILE, groups, gs, xq + r0 * k, dx + r0 * per,
-                         xs + r0 * per, count, k, n, out + r0 * out_stride, out_stride);
-            }
-        }
+        quantize_rows(x, rows, k, (uint8_t *)xq, dx, xs, 0);
+        const int64_t per = k / XB;
+        FOR_EACH_TILE(tiles, rows, RB_I8, threads,
+                      i8_block(w + t * tbytes, t * TILE, groups, gs, xq + r0 * k, dx + r0 * per,
+                               xs + r0 * per, count, k, n, out + r0 * out_stride, out_stride));
         return 0;
     }
     float *xf = scratch_for((size_t)rows * k * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < rows * k; i++) xf[i] = from_bf16(x[i]);
-    const int64_t chunks = (rows + RB_F32 - 1) / RB_F32;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-#endif
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t r0 = c * RB_F32, count = rows - r0 < RB_F32 ? rows - r0 : RB_F32;
-            f32_block(w + t * tbytes, t * TILE, groups, gs, xf + r0 * k, count, k, n,
-                      out + r0 * out_stride, out_stride);
-        }
-    }
+    FOR_EACH_TILE(tiles, rows, RB_F32, threads,
+                  f32_block(w + t * tbytes, t * TILE, groups, gs, xf + r0 * k, count, k, n,
+                            out + r0 * out_stride, out_stride));
     return 0;
 }
 

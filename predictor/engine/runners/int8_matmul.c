@@ -1,6 +1,7 @@
-/* 8-bit matmul for the CPU runner's lm_head (engine/runners/int4_linear.py, built by
- * engine/runners/native.py): out = x @ W^T in fp32, W int8 in memory with one scale per 32
- * inputs of each output column (llama.cpp's Q8_0: SmolLM2's GGUF stores its tied embedding so).
+/* predictor/engine/runners/int8_matmul.c: the 8-bit matmul for the CPU runner's lm_head
+ * (int4_linear.py; built and loaded by native.py: int8_matmul): out = x @ W^T in fp32, W int8
+ * in memory with one scale per 32 inputs of each output column (llama.cpp's Q8_0: SmolLM2's GGUF
+ * stores its tied embedding so).
  *
  * Layout, made at load by int8_quantize from the bf16 weights: tiles of 16 output columns; per
  * tile and block of 32 inputs, the 16 columns' bf16 scales d (32 bytes), the 16 columns' sums of
@@ -16,102 +17,22 @@
  *        unsigned side and subtracts 128 * sum(q) per block; without VNNI, maddubs over |q| and
  *        x with q's sign (llama.cpp's trick: no int16 overflow).
  * VW (8: AVX2, 16: AVX-512) and VNNI are -D constants: one build per instruction set, chosen at
- * run time by the CPU's flags. OpenMP splits the tiles over threads.
+ * run time by the CPU's flags; the vector mappings, the int8 rows and the tile driver are
+ * native_common.h's. OpenMP splits the tiles over threads.
  *
  * x:   bf16 [rows][k], k a multiple of 32     out: fp32 [rows][out_stride], columns [0, n)
  * w:   int8_bytes(n, k) bytes
  */
-#include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #ifndef VW
 #error "compile with -DVW=8 (AVX2) or -DVW=16 (AVX-512)"
 #endif
-#ifndef VNNI
-#define VNNI 0
-#endif
 
-#define TILE 16
-#define HALVES (TILE / VW)
-#define XB 32 /* inputs per block (weights and activations alike) */
+#include "native_common.h"
+
 #define BLOCK_BYTES (64 + TILE * XB)
-#define RB_F32 (VW == 16 ? 16 : 8)
-#define RB_I8 (VW == 16 ? 8 : 4)
-
-typedef float vf __attribute__((vector_size(VW * 4)));
-typedef int32_t vi __attribute__((vector_size(VW * 4)));
-
-#if VW == 16
-typedef __m512i ivec;
-static inline vf load_bf16(const uint16_t *p) {
-    __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16);
-    return (vf)_mm512_castsi512_ps(u);
-}
-static inline vi load_i16(const int16_t *p) {
-    return (vi)_mm512_cvtepi16_epi32(_mm256_loadu_si256((const void *)p));
-}
-static inline ivec load_words(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
-static inline ivec splat32(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-#if VNNI
-static inline ivec dot4(ivec acc, ivec xu, ivec w) { return _mm512_dpbusd_epi32(acc, xu, w); }
-#else
-static inline ivec dot4_signed(ivec acc, ivec wabs, ivec w, ivec x) {
-    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-    const __m512i pairs = _mm512_maddubs_epi16(wabs, xs);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-}
-static inline ivec absolute(ivec w) { return _mm512_abs_epi8(w); }
-#endif
-static inline vf to_float(ivec v) { return (vf)_mm512_cvtepi32_ps(v); }
-static inline ivec izero(void) { return _mm512_setzero_si512(); }
-#else
-typedef __m256i ivec;
-static inline vf load_bf16(const uint16_t *p) {
-    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16);
-    return (vf)_mm256_castsi256_ps(u);
-}
-static inline vi load_i16(const int16_t *p) {
-    return (vi)_mm256_cvtepi16_epi32(_mm_loadu_si128((const void *)p));
-}
-static inline ivec load_words(const uint8_t *p) { return _mm256_loadu_si256((const void *)p); }
-static inline ivec splat32(const uint8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm256_set1_epi32(v);
-}
-#if VNNI
-static inline ivec dot4(ivec acc, ivec xu, ivec w) { return _mm256_dpbusd_avx_epi32(acc, xu, w); }
-#else
-static inline ivec dot4_signed(ivec acc, ivec wabs, ivec w, ivec x) {
-    const __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-static inline ivec absolute(ivec w) { return _mm256_abs_epi8(w); }
-#endif
-static inline vf to_float(ivec v) { return (vf)_mm256_cvtepi32_ps(v); }
-static inline ivec izero(void) { return _mm256_setzero_si256(); }
-#endif
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float from_bf16(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
-}
 
 size_t int8_bytes(int64_t n, int64_t k) {
     return (size_t)((n + TILE - 1) / TILE) * (size_t)(k / XB) * BLOCK_BYTES;
@@ -227,9 +148,9 @@ static inline __attribute__((always_inline)) void i8_rows(const uint8_t *tile, i
 #if VNNI
             for (int r = 0; r < R; r++) dot[r] = dot4(dot[r], splat32(xq + r * k + b * XB + i * 4), words);
 #else
-            const ivec wabs = absolute(words);
+            const ivec wabs = abs8(words); /* |w| x (x with w's sign) */
             for (int r = 0; r < R; r++)
-                dot[r] = dot4_signed(dot[r], wabs, words, splat32(xq + r * k + b * XB + i * 4));
+                dot[r] = dot4(dot[r], wabs, sign8(splat32(xq + r * k + b * XB + i * 4), words));
 #endif
         }
 #if VNNI
@@ -250,19 +171,7 @@ static inline __attribute__((always_inline)) void i8_rows(const uint8_t *tile, i
 
 static void f32_block(const uint8_t *tile, int64_t col0, int64_t blocks, const float *xf,
                       int64_t count, int64_t k, int64_t n, float *out, int64_t out_stride) {
-    for (int half = 0; half < HALVES; half++) {
-        const int64_t col = col0 + half * VW;
-        if (col >= n) break;
-        switch (count) {
-            F32_CASE(1) F32_CASE(2) F32_CASE(3) F32_CASE(4)
-            F32_CASE(5) F32_CASE(6) F32_CASE(7) F32_CASE(8)
-#if RB_F32 > 8
-            F32_CASE(9) F32_CASE(10) F32_CASE(11) F32_CASE(12)
-            F32_CASE(13) F32_CASE(14) F32_CASE(15) F32_CASE(16)
-#endif
-        default: break;
-        }
-    }
+    TILE_HALVES(col0, n, count, ROW_CASES_F32(F32_CASE))
 }
 
 #define I8_CASE(R)                                                                            \
@@ -275,51 +184,7 @@ static void f32_block(const uint8_t *tile, int64_t col0, int64_t blocks, const f
 static void i8_block(const uint8_t *tile, int64_t col0, int64_t blocks, const uint8_t *xq,
                      const float *dx, int64_t count, int64_t k, int64_t n, float *out,
                      int64_t out_stride) {
-    for (int half = 0; half < HALVES; half++) {
-        const int64_t col = col0 + half * VW;
-        if (col >= n) break;
-        switch (count) {
-            I8_CASE(1) I8_CASE(2) I8_CASE(3) I8_CASE(4)
-#if RB_I8 > 4
-            I8_CASE(5) I8_CASE(6) I8_CASE(7) I8_CASE(8)
-#endif
-        default: break;
-        }
-    }
-}
-
-/* Per calling thread (OpenMP workers only read it): the activations in the kernel's form. */
-static __thread void *scratch = 0;
-static __thread size_t scratch_size = 0;
-
-static void *scratch_for(size_t bytes) {
-    if (bytes > scratch_size) {
-        free(scratch);
-        scratch = malloc(bytes);
-        scratch_size = scratch ? bytes : 0;
-    }
-    return scratch;
-}
-
-/* x [rows][k] bf16 -> int8 per block of XB (scale dx = max|x| / 127); VNNI: stored + 128. */
-static void quantize_rows(const uint16_t *x, int64_t rows, int64_t k, uint8_t *xq, float *dx) {
-    const int64_t blocks = k / XB;
-    for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < blocks; b++) {
-            float v[XB], amax = 0.0f;
-            for (int i = 0; i < XB; i++) {
-                v[i] = from_bf16(x[r * k + b * XB + i]);
-                const float a = __builtin_fabsf(v[i]);
-                amax = a > amax ? a : amax;
-            }
-            const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
-            for (int i = 0; i < XB; i++) {
-                const int q = (int)__builtin_roundf(v[i] * inverse);
-                xq[r * k + b * XB + i] = (uint8_t)(VNNI ? q + 128 : q);
-            }
-            dx[r * blocks + b] = d;
-        }
-    }
+    TILE_HALVES(col0, n, count, ROW_CASES_I8(I8_CASE))
 }
 
 /* out[rows][0..n) = x[rows][k] @ dequantized(w)^T. int8: 0 for the f32 kernel, 1 for the i8
@@ -329,42 +194,24 @@ int int8_matmul(const uint16_t *x, int64_t rows, int64_t k, const uint8_t *w, in
     if (k % XB) return -2;
     const int64_t tiles = (n + TILE - 1) / TILE, blocks = k / XB;
     const size_t tbytes = (size_t)blocks * BLOCK_BYTES;
-    const int team = threads > 1 ? (int)threads : 1;
-    (void)team;
     if (int8) {
         const size_t scales = (size_t)rows * (size_t)blocks;
         char *buffer = scratch_for(scales * sizeof(float) + (size_t)rows * k + 64);
         if (!buffer) return -1;
         float *dx = (float *)buffer;
         uint8_t *xq = (uint8_t *)(dx + scales);
-        quantize_rows(x, rows, k, xq, dx);
-        const int64_t chunks = (rows + RB_I8 - 1) / RB_I8;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-#endif
-        for (int64_t t = 0; t < tiles; t++) {
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t r0 = c * RB_I8, count = rows - r0 < RB_I8 ? rows - r0 : RB_I8;
-                i8_block(w + t * tbytes, t * TILE, blocks, xq + r0 * k, dx + r0 * blocks, count,
-                         k, n, out + r0 * out_stride, out_stride);
-            }
-        }
+        quantize_rows(x, rows, k, xq, dx, NULL, VNNI ? 128 : 0); /* VNNI: x + 128, unsigned */
+        FOR_EACH_TILE(tiles, rows, RB_I8, threads,
+                      i8_block(w + t * tbytes, t * TILE, blocks, xq + r0 * k, dx + r0 * blocks,
+                               count, k, n, out + r0 * out_stride, out_stride));
         return 0;
     }
     float *xf = scratch_for((size_t)rows * k * sizeof(float));
     if (!xf) return -1;
     for (int64_t i = 0; i < rows * k; i++) xf[i] = from_bf16(x[i]);
-    const int64_t chunks = (rows + RB_F32 - 1) / RB_F32;
-#ifdef _OPENMP
-#pragma omp parallel for schedule(static) num_threads(team) if (team > 1)
-#endif
-    for (int64_t t = 0; t < tiles; t++) {
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t r0 = c * RB_F32, count = rows - r0 < RB_F32 ? rows - r0 : RB_F32;
-            f32_block(w + t * tbytes, t * TILE, blocks, xf + r0 * k, count, k, n,
-                      out + r0 * out_stride, out_stride);
-        }
-    }
+    FOR_EACH_TILE(tiles, rows, RB_F32, threads,
+                  f32_block(w + t * tbytes, t * TILE, blocks, xf + r0 * k, count, k, n,
+                            out + r0 * out_stride, out_stride));
     return 0;
 }
 

@@ -1,4 +1,5 @@
-/* A decoder layer's small ops for the CPU runner (engine/native.py), bf16 storage, fp32 math.
+/* predictor/engine/runners/layer_ops.c: a decoder layer's small ops for the CPU runner (built and
+ * loaded by native.py: layer_ops; on tensors in layer_kernels.py), bf16 storage, fp32 math.
  *
  * At a few rows a step is mostly dispatch: torch's bf16 rms_norm is ~10 ops (22 us at 1 row of
  * 576, measured), the rotary pass and the cache write 6 more, SwiGLU 3; 30 layers each. Here each
@@ -9,41 +10,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "native_common.h"
+
 #ifndef DIM
 #error "compile with -DDIM=<head_dim>"
 #endif
-
-static inline float from_bf16(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* exp(x), relative error ~2e-7 on [-87, 88] (clamped outside) */
-static inline float exp_approx(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = __builtin_roundf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * scale.f;
-}
 
 /* hidden [rows][dim] += delta (when not NULL), rounded to bf16 in place; then
    out = hidden * rsqrt(mean(hidden^2) + eps) * weight. */

@@ -359,20 +359,9 @@ class ModelRunner:
         if plan.decode_rows and self._native is not None:
             tables, lengths, scratch = plan.native_args
             self._native(
-                qkv.data_ptr(),
-                qkv.stride(0),
-                pool.data_ptr(),
-                pool.shape[1],
-                tables.data_ptr(),
-                tables.shape[1],
-                lengths.data_ptr(),
-                plan.decode_rows,
-                kv_heads,
-                self.scale,
-                out.data_ptr(),
-                scratch.data_ptr(),
+                qkv, pool, tables, lengths, plan.decode_rows, self.scale, out, scratch,
                 torch.get_num_threads(),  # --threads, on the step thread
-            )
+            )  # fmt: skip
         elif plan.decode_rows:
             # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
             # slower here), the query heads grouped by the kv head they share (GQA), kv heads

@@ -1,5 +1,8 @@
-"""The runner's native kernels, compiled at first use: decode attention (`decode_attention.c`)
-and the 4-bit GPTQ matmul (`int4_matmul.c`, one build per instruction set the CPU has).
+"""The runner's native kernels, compiled at first use: decode attention (`decode_attention.c`),
+the 4-bit GPTQ matmul (`int4_matmul.c`, one build per instruction set the CPU has), the 8-bit
+lm_head matmul (`int8_matmul.c`) and a layer's small ops (`layer_ops.c`). The four share
+`native_common.h` (bf16 conversions, exp, the vector mappings, the matmuls' tile driver), and
+ctypes learns every function they export from one table, `PROTOTYPES`.
 
 torch has no CPU op that attends from a paged cache: the runner's torch path gathers every
 decode row's keys and values into a padded copy (one `index_select` a layer) and multiplies
@@ -11,7 +14,7 @@ arithmetic. The C kernel reads each row's blocks where they lie. Measured for Sm
 It is compiled once per process and model shape with the system C compiler (`$CC`, else the
 first of cc, gcc, g++, clang), about 0.3 s, into a temporary file; where no compiler works the
 runner keeps its torch path (`--attention torch` forces it). No torch here: the runner passes
-tensors' addresses.
+tensors' addresses (or tensors, to `DecodeAttention`, which reads their addresses).
 
 The 4-bit matmul is built per instruction set (`ISAS`): AVX-512 F/BW/VL/DQ (16 columns a vector)
 and AVX2 + FMA (8), each also with VNNI's int8 dot products (avx512_vnni, avx_vnni), each only
@@ -25,10 +28,12 @@ import contextlib
 import ctypes
 import functools
 import logging
+import re
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 from predictor import toolchain
 from predictor.config import NATIVE_ISAS
@@ -42,6 +47,9 @@ SOURCE = Path(__file__).with_name("decode_attention.c")
 INT4_SOURCE = Path(__file__).with_name("int4_matmul.c")
 LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
 INT8_SOURCE = Path(__file__).with_name("int8_matmul.c")
+# What the four include: on the compiler's include path (a source copied elsewhere still finds
+# it) and in each library's cache key (an edited header rebuilds them).
+HEADER = Path(__file__).with_name("native_common.h")
 # instruction set -> (CPU flags it needs, compiler flags, -D constants); widest first
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mavx2"]
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "avx2")
@@ -64,14 +72,109 @@ ISAS: dict[str, tuple[tuple[str, ...], list[str], list[str]]] = {
 # or int4_matmul.c with fp32 or int8 activations (the widest instruction set, or the one named).
 assert tuple(ISAS) == NATIVE_ISAS, "config.NATIVE_ISAS names these instruction sets"
 FLAGS = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
-
-# q, q_stride, pool, slots, tables, table_width, lengths, rows, kv_heads, scale, out, scratch,
-# threads
-DecodeAttention = Callable[
-    [int, int, int, int, int, int, int, int, int, float, int, int, int], None
-]
 # OpenMP first (--threads > 1 splits the rows), then without, each -march=native first
 THREADED: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-march=native"], [])
+
+# Every function the C sources export, as its prototype with short types: ptr (any pointer: the
+# runner passes tensors' addresses), i64 (int64_t), f32 (float), int, size_t, void. The one place
+# ctypes learns a signature (`_bind`); tests/engine/runners/test_native.py checks it against the
+# sources.
+PROTOTYPES = {
+    "decode_attention.c": """
+        void decode_attention_bf16(ptr q, i64 q_stride, ptr pool, i64 slots, ptr tables,
+                                   i64 table_width, ptr lengths, i64 rows, i64 kv_heads,
+                                   f32 scale, ptr out, ptr scratch, i64 threads)""",
+    "int4_matmul.c": """
+        void int4_repack(ptr codes, ptr scales, ptr zeros, i64 n, i64 k, i64 gs, ptr w)
+        int int4_matmul(ptr x, i64 rows, i64 k, ptr w, i64 n, i64 gs, ptr out, i64 out_stride,
+                        i64 threads, i64 int8)
+        int int4_vector_width()
+        int int4_threaded()""",
+    "int8_matmul.c": """
+        size_t int8_bytes(i64 n, i64 k)
+        void int8_quantize(ptr weights, i64 n, i64 k, ptr w)
+        int int8_rows(ptr w, i64 n, i64 k, ptr ids, i64 count, ptr out)
+        int int8_matmul(ptr x, i64 rows, i64 k, ptr w, i64 n, ptr out, i64 out_stride,
+                        i64 threads, i64 int8)
+        int int8_vector_width()""",
+    "layer_ops.c": """
+        void add_rms_norm(ptr hidden, ptr delta, ptr weight, f32 eps, ptr out, i64 rows, i64 dim,
+                          i64 threads)
+        void rope_write(ptr qkv, i64 n, i64 heads, i64 kv_heads, ptr cos, ptr sin, ptr pool,
+                        i64 slots, ptr slots_of, i64 threads)
+        void silu_mul(ptr gate_up, i64 n, i64 inner, ptr out, i64 threads)""",
+}
+CTYPES: dict[str, Any] = {
+    "void": None,
+    "int": ctypes.c_int,
+    "size_t": ctypes.c_size_t,
+    "i64": ctypes.c_int64,
+    "f32": ctypes.c_float,
+    "ptr": ctypes.c_void_p,
+}
+PROTOTYPE = re.compile(r"(\w+)\s+(\w+)\(([^)]*)\)")
+
+
+def prototypes(text: str) -> dict[str, tuple[str, list[tuple[str, str]]]]:
+    """PROTOTYPES' text: name -> (return type, [(type, argument name)])."""
+    return {
+        name: (result, [(arg.split()[0], arg.split()[1]) for arg in args.split(",") if arg.strip()])
+        for result, name, args in PROTOTYPE.findall(text)
+    }
+
+
+SIGNATURES = {
+    name: (CTYPES[result], [CTYPES[kind] for kind, _ in args])
+    for text in PROTOTYPES.values()
+    for name, (result, args) in prototypes(text).items()
+}
+
+
+def _bind(lib: ctypes.CDLL, name: str) -> Any:
+    """`lib`'s function `name` with its restype and argtypes from SIGNATURES."""
+    function = getattr(lib, name)
+    function.restype, function.argtypes = SIGNATURES[name]
+    return function
+
+
+class Tensor(Protocol):
+    """What the wrappers read of a torch.Tensor (no torch here)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def data_ptr(self) -> int: ...
+
+    def stride(self, dim: int) -> int: ...
+
+
+@dataclass(frozen=True)
+class DecodeAttention:
+    """decode_attention.c compiled for one shape; called with tensors (see the C file):
+    qkv bf16 [rows..][q_stride] (a row's query heads first), pool bf16 [2 kv_heads][slots][dim]
+    (keys, then values), tables int64 [rows..][width] (each row's cache blocks), lengths int64
+    [rows..], out bf16 [rows..][heads * dim], scratch fp32 (group * longest length); the first
+    `rows` rows attend."""
+
+    kernel: Callable[..., None]  # the C function: addresses, as in PROTOTYPES
+
+    def __call__(
+        self,
+        qkv: Tensor,
+        pool: Tensor,
+        tables: Tensor,
+        lengths: Tensor,
+        rows: int,
+        scale: float,
+        out: Tensor,
+        scratch: Tensor,
+        threads: int,
+    ) -> None:
+        self.kernel(
+            qkv.data_ptr(), qkv.stride(0), pool.data_ptr(), pool.shape[1], tables.data_ptr(),
+            tables.shape[1], lengths.data_ptr(), rows, pool.shape[0] // 2, scale,
+            out.data_ptr(), scratch.data_ptr(), threads,
+        )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,13 +185,8 @@ def decode_attention(
     given); NativeUnavailable (with the compiler's words) if it cannot be built here."""
     defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"]
     lib = _build(defines, variants=THREADED, cache_dir=cache_dir)
-    function = lib.decode_attention_bf16
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    function.restype = None
-    function.argtypes = [pointer, integer, pointer, integer, pointer, integer, pointer]
-    function.argtypes += [integer, integer, ctypes.c_float, pointer, pointer, integer]
+    kernel = DecodeAttention(_bind(lib, "decode_attention_bf16"))
     logger.info("native decode attention ready (head_dim %d, group %d)", head_dim, group)
-    kernel: DecodeAttention = function
     return kernel
 
 
@@ -107,7 +205,9 @@ def _build(
     step thread waits up to a switch interval to get it back (measured: C=16 238 tok/s against
     412 with torch's kernels, though the step alone was faster). These kernels take
     microseconds; nothing else needs the GIL meanwhile."""
-    return toolchain.build(source, FLAGS, defines, variants, cache_dir, loader=ctypes.PyDLL)
+    return toolchain.build(
+        source, FLAGS, defines, variants, cache_dir, loader=ctypes.PyDLL, headers=[HEADER]
+    )
 
 
 def relevant_flags(flags: frozenset[str] | None = None) -> list[str]:
@@ -130,10 +230,9 @@ class Int4Kernel:
     isa: str
     width: int  # output columns per vector
     threaded: bool  # built with OpenMP
-    # codes, scales, zeros, n, k, group_size, out
+    # the C functions (PROTOTYPES); matmul -> 0, or < 0: no memory, or int8 with a group size
+    # not a multiple of 32
     repack: Callable[[int, int, int, int, int, int, int], None]
-    # x, rows, k, w, n, group_size, out, out_stride, threads, int8 -> 0 (or < 0: no memory,
-    # or int8 with a group size not a multiple of 32)
     matmul: Callable[[int, int, int, int, int, int, int, int, int, int], int]
 
     @staticmethod
@@ -171,17 +270,9 @@ def _matmul_library(isa: str, source: Path, cache_dir: Path | None) -> ctypes.CD
 
 def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
     lib = _matmul_library(isa, INT4_SOURCE, cache_dir)
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    repack = lib.int4_repack
-    repack.restype = None
-    repack.argtypes = [pointer, pointer, pointer, integer, integer, integer, pointer]
-    matmul = lib.int4_matmul
-    matmul.restype = ctypes.c_int
-    matmul.argtypes = [pointer, integer, integer, pointer, integer, integer, pointer, integer]
-    matmul.argtypes += [integer, integer]
-    threaded = bool(lib.int4_threaded())
-    width = int(lib.int4_vector_width())
-    return Int4Kernel(isa, width, threaded, repack, matmul)
+    threaded = bool(_bind(lib, "int4_threaded")())
+    width = int(_bind(lib, "int4_vector_width")())
+    return Int4Kernel(isa, width, threaded, _bind(lib, "int4_repack"), _bind(lib, "int4_matmul"))
 
 
 @dataclass(frozen=True)
@@ -189,11 +280,11 @@ class Int8Kernel:
     """The compiled 8-bit matmul (lm_head) for one instruction set (see int8_matmul.c)."""
 
     isa: str
-    # weights (bf16 [n][k]), n, k, out
+    # the C functions (PROTOTYPES): quantize the bf16 weights [n][k] into the layout; matmul
+    # (fp32 out) -> 0, < 0: no memory, k % 32; rows (dequantized into bf16 [count][k]) -> 0,
+    # -1: an id outside [0, n)
     quantize: Callable[[int, int, int, int], None]
-    # x, rows, k, w, n, out (fp32), out_stride, threads, int8 -> 0 (< 0: no memory, k % 32)
     matmul: Callable[[int, int, int, int, int, int, int, int, int], int]
-    # w, n, k, ids (int64), count, out (bf16 [count][k]) -> 0 (-1: an id outside [0, n))
     rows: Callable[[int, int, int, int, int, int], int]
     nbytes: Callable[[int, int], int]
 
@@ -253,34 +344,17 @@ def _build_quietly(build: Callable[[str, Path], object], isa: str, cache_dir: Pa
 
 def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
     lib = _matmul_library(isa, INT8_SOURCE, cache_dir)
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    quantize, matmul, rows, nbytes = (
-        lib.int8_quantize,
-        lib.int8_matmul,
-        lib.int8_rows,
-        lib.int8_bytes,
-    )
-    quantize.restype = None
-    quantize.argtypes = [pointer, integer, integer, pointer]
-    matmul.restype = ctypes.c_int
-    matmul.argtypes = [pointer, integer, integer, pointer, integer, pointer, integer, integer]
-    matmul.argtypes += [integer]
-    rows.restype = ctypes.c_int
-    rows.argtypes = [pointer, integer, integer, pointer, integer, pointer]
-    nbytes.restype = ctypes.c_size_t
-    nbytes.argtypes = [integer, integer]
-    return Int8Kernel(isa, quantize, matmul, rows, nbytes)
+    names = ("int8_quantize", "int8_matmul", "int8_rows", "int8_bytes")
+    return Int8Kernel(isa, *(_bind(lib, name) for name in names))
 
 
 @dataclass(frozen=True)
 class LayerOps:
-    """layer_ops.c for one head_dim: a layer's norms, rotary + cache write and SwiGLU."""
+    """layer_ops.c for one head_dim: a layer's norms, rotary + cache write and SwiGLU (the C
+    functions, PROTOTYPES; add_rms_norm's delta may be None: none)."""
 
-    # hidden, delta (0: none), weight, eps, out, rows, dim, threads
     add_rms_norm: Callable[[int, int | None, int, float, int, int, int, int], None]
-    # qkv, n, heads, kv_heads, cos, sin, pool, slots, slots_of, threads
     rope_write: Callable[[int, int, int, int, int, int, int, int, int, int], None]
-    # gate_up, n, inner, out, threads
     silu_mul: Callable[[int, int, int, int, int], None]
 
 
@@ -289,13 +363,6 @@ def layer_ops(head_dim: int, cache_dir: Path | None = None) -> LayerOps:
     """layer_ops.c compiled for this head_dim (kept in `cache_dir`, the library cache, where
     given); NativeUnavailable if it cannot be built here."""
     lib = _build([f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED, cache_dir)
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    norm, rope, silu = lib.add_rms_norm, lib.rope_write, lib.silu_mul
-    norm.argtypes = [pointer, pointer, pointer, ctypes.c_float, pointer, integer, integer, integer]
-    rope.argtypes = [pointer, integer, integer, integer, pointer, pointer, pointer, integer]
-    rope.argtypes += [pointer, integer]
-    silu.argtypes = [pointer, integer, integer, pointer, integer]
-    for function in (norm, rope, silu):
-        function.restype = None
+    ops = LayerOps(*(_bind(lib, name) for name in ("add_rms_norm", "rope_write", "silu_mul")))
     logger.info("native layer ops ready (head_dim %d)", head_dim)
-    return LayerOps(norm, rope, silu)
+    return ops

@@ -4,6 +4,7 @@ library cache, and without a compiler."""
 from __future__ import annotations
 
 import random
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -63,27 +64,35 @@ def test_kernel_matches_fp32_attention_over_scattered_blocks(
     out = torch.full((len(lengths), heads * dim), float("nan"), dtype=torch.bfloat16)
     scratch = torch.empty((heads // kv_heads) * max(lengths))
     row_lengths = torch.tensor(lengths)  # held: the kernel gets addresses only
-    kernel(
-        qkv.data_ptr(),
-        qkv.stride(0),
-        pool.data_ptr(),
-        pool.shape[1],
-        padded.data_ptr(),
-        width,
-        row_lengths.data_ptr(),
-        len(lengths),
-        kv_heads,
-        dim**-0.5,
-        out.data_ptr(),
-        scratch.data_ptr(),
-        threads,
-    )
+    kernel(qkv, pool, padded, row_lengths, len(lengths), dim**-0.5, out, scratch, threads)
     expected = reference(
         qkv[:, : heads * dim].view(len(lengths), heads, dim), pool, tables, lengths
     )
     assert torch.isfinite(out.float()).all()
     # bf16 output: within one rounding of values of magnitude <= ~4
     assert (out.float() - expected).abs().max() < 0.02
+
+
+# a C parameter's type as PROTOTYPES shortens it
+C_TYPES = {"int64_t": "i64", "float": "f32", "int": "int", "size_t": "size_t", "void": "void"}
+EXPORTED = re.compile(r"^(void|int|size_t) (\w+)\(([^)]*)\) \{", re.M)
+
+
+def test_the_prototypes_table_is_what_each_source_exports() -> None:
+    for source, table in native.PROTOTYPES.items():
+        text = (Path(native.__file__).parent / source).read_text()
+        exported = {}
+        for result, name, params in EXPORTED.findall(text):
+            args = []
+            for param in params.replace("const ", "").split(","):
+                if param.strip() in ("", "void"):
+                    continue
+                kind, arg = param.split()
+                pointer = "*" in kind + arg
+                args.append(("ptr" if pointer else C_TYPES[kind], arg.lstrip("*")))
+            exported[name] = (C_TYPES[result], args)
+        assert native.prototypes(table) == exported, source
+    assert set(native.PROTOTYPES) == {path.name for path in native.HEADER.parent.glob("*.c")}
 
 
 @needs_compiler
