@@ -7,12 +7,13 @@ seconds on a GPU, so the device script builds the model it benchmarks on the spo
 tests build one per layout. The speed of a model depends on its shape, not its weights.
 
     python -m load.random_gptq --shape smollm2-1.7b --tokenizer DIR --out DIR [--device cuda]
-        [--family llama|mistral|qwen2|qwen3|phi3|gemma2]
+        [--family llama|mistral|qwen2|qwen3|phi3|gemma2|gemma3_text]
 
 A family changes what transformers' config and tensors hold beyond Llama's: Qwen2's biased q, k
 and v projections, Qwen3's per-head q and k RMSNorms, Mistral's sliding window (`--window`),
 Phi-3's q, k, v and gate, up stored as one Linear each, Gemma 2's four norms a layer (weights
-stored as offsets from 1), GELU and soft-capped attention scores and logits.
+stored as offsets from 1), GELU and soft-capped attention scores and logits, Gemma 3's q and k
+norms, local and global rotary bases and sliding layers (every other one here).
 """
 
 from __future__ import annotations
@@ -85,7 +86,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                      "attn_logit_softcapping": 50.0,
                                      "final_logit_softcapping": 30.0, "sliding_window": 4096,
                                      "rms_norm_eps": 1e-6}),
+    "gemma3_text": ("Gemma3ForCausalLM", {"hidden_act": "gelu_pytorch_tanh",
+                                          "hidden_activation": "gelu_pytorch_tanh",
+                                          "attn_logit_softcapping": None,
+                                          "final_logit_softcapping": None, "sliding_window": 512,
+                                          "sliding_window_pattern": 2, "rms_norm_eps": 1e-6}),
 }  # fmt: skip
+GEMMA = ("gemma2", "gemma3_text")  # norms stored as offsets from 1, four a layer
 # Phi-3's stored-fused projections, in place of PROJECTIONS' q, k, v and gate, up
 FUSED_PROJECTIONS = (
     ("self_attn.qkv_proj", "hidden", "qkv"),
@@ -163,7 +170,7 @@ def config_dict(
     architecture, extra = FAMILIES[family]
     if window is not None:
         extra = {**extra, "sliding_window": window}
-        if family != "mistral":
+        if family.startswith("qwen"):  # their window applies only with this flag
             extra["use_sliding_window"] = True
     return {
         "architectures": [architecture],
@@ -179,7 +186,7 @@ def config_dict(
         "vocab_size": shape.vocab_size,
         "max_position_embeddings": shape.max_position_embeddings,
         "rms_norm_eps": extra.get("rms_norm_eps", 1e-5),
-        "rope_parameters": {"rope_theta": shape.rope_theta, "rope_type": "default"},
+        "rope_parameters": _rope_parameters(shape, family),
         "tie_word_embeddings": shape.tie_word_embeddings,
         "bos_token_id": bos,
         "eos_token_id": eos,
@@ -188,6 +195,14 @@ def config_dict(
         "quantization_config": quantization_config(layout),
         **(overrides or {}),
     }
+
+
+def _rope_parameters(shape: Shape, family: str) -> dict[str, Any]:
+    default = {"rope_theta": shape.rope_theta, "rope_type": "default"}
+    if family != "gemma3_text":
+        return default
+    local = {"rope_theta": 10000.0, "rope_type": "default"}  # Gemma 3's sliding layers' base
+    return {"sliding_attention": local, "full_attention": default}
 
 
 def quantization_config(layout: Layout) -> dict[str, Any]:
@@ -239,7 +254,7 @@ def write_checkpoint(
     dims["gate_up"] = 2 * dims["intermediate"]
     projections = FUSED_PROJECTIONS if family == "phi3" else PROJECTIONS
     norms = ["input_layernorm", "post_attention_layernorm"]
-    if family == "gemma2":
+    if family in GEMMA:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     tokenizer = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
     bos, eos = _special_ids(tokenizer_dir, tokenizer)
@@ -260,10 +275,12 @@ def write_checkpoint(
         for field, tensor in head_parts.items():
             tensors[f"lm_head.{field}"] = tensor
 
-    def norm() -> torch.Tensor:  # Gemma's scale by 1 + weight: random offsets, the others 1
-        if family != "gemma2":
-            return torch.ones(shape.hidden_size, dtype=layout.dtype, device=device)
-        offsets = torch.rand(shape.hidden_size, generator=generator, device=device) - 0.5
+    def norm(
+        size: int = shape.hidden_size,
+    ) -> torch.Tensor:  # Gemma's scale by 1 + weight: random offsets, the others 1
+        if family not in GEMMA:
+            return torch.ones(size, dtype=layout.dtype, device=device)
+        offsets = torch.rand(size, generator=generator, device=device) - 0.5
         return offsets.to(layout.dtype)
 
     tensors["model.norm.weight"] = norm()
@@ -288,6 +305,9 @@ def write_checkpoint(
             for name in ("q_norm", "k_norm"):
                 weight = 0.5 + torch.rand(shape.head_dim, generator=generator, device=device)
                 tensors[f"{prefix}.self_attn.{name}.weight"] = weight.to(layout.dtype)
+        if family == "gemma3_text":  # the same, Gemma's offsets from 1
+            for name in ("q_norm", "k_norm"):
+                tensors[f"{prefix}.self_attn.{name}.weight"] = norm(shape.head_dim)
     _save(out, {k: v.contiguous().cpu() for k, v in tensors.items()}, layout.shards)
     config = config_dict(shape, layout, bos, eos, family, window, overrides)
     if layout.quantize_config_file:

@@ -11,7 +11,14 @@ from typing import Any
 
 import torch
 
-from predictor.config import FUSED_KERNELS, GPU_MODEL_TYPES, KERNELS, MODEL_TYPES
+from predictor.config import (
+    CONTEXT_WINDOWED,
+    FUSED_KERNELS,
+    GPU_MODEL_TYPES,
+    KERNELS,
+    MODEL_TYPES,
+    WINDOW_MASKED,
+)
 from predictor.errors import CheckpointError, UnsupportedModel
 from predictor.model.gptq import (
     GPTQLayout,
@@ -24,8 +31,6 @@ from predictor.model.gptq import (
 log = logging.getLogger(__name__)
 
 QUANTIZE_CONFIG = "quantize_config.json"  # AutoGPTQ's, beside a config.json without one
-# families whose sliding_window, where config.json sets one, applies without a use_ flag
-WINDOWED = ("mistral", "phi3", "gemma2")
 
 
 @dataclass
@@ -103,13 +108,14 @@ def check_family(config: dict[str, Any], supported: Sequence[str], where: str = 
 
 def context_length(config: Any) -> int:
     """The tokens a request may span: max_position_embeddings, or a sliding window where the
-    model attends through one (Mistral, Phi-3, Gemma 2's every other layer; Qwen2/3 with
-    use_sliding_window). Capping the context
+    model attends through one (config.CONTEXT_WINDOWED; Qwen2/3 with use_sliding_window;
+    Gemma 3 masks its windows instead). Capping the context
     at the window keeps every key a query may see inside it, so no window mask is needed."""
     length = int(getattr(config, "max_position_embeddings", 2048))
     window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "model_type", "") in WINDOWED or bool(
-        getattr(config, "use_sliding_window", False)
+    model_type = getattr(config, "model_type", "")
+    uses_window = model_type in CONTEXT_WINDOWED or bool(
+        getattr(config, "use_sliding_window", False) and model_type not in WINDOW_MASKED
     )
     if uses_window and window:
         length = min(length, int(window))

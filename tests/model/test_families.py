@@ -29,8 +29,11 @@ def with_config(path: Path, **changes: object) -> Path:
 @pytest.mark.parametrize(
     ("changes", "words"),
     [
-        ({"model_type": "gemma3_text"}, "model type 'gemma3_text' is not supported"),
-        ({"model_type": "falcon"}, "supported: llama, mistral, qwen2, qwen3, phi3, gemma2"),
+        ({"model_type": "gemma3"}, "model type 'gemma3' is not supported"),
+        (
+            {"model_type": "falcon"},
+            "supported: llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text",
+        ),
         ({"bits": 3}, "3-bit GPTQ is not supported"),
         ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     ],
@@ -52,6 +55,7 @@ def test_unsupported_checkpoints_are_refused_from_config_alone(
 @pytest.mark.parametrize(("family", "window", "length"), [
     ("mistral", 256, 256), ("mistral", None, 1024), ("qwen2", 300, 300), ("qwen3", None, 1024),
     ("phi3", 256, 256), ("phi3", None, 1024), ("gemma2", 512, 512),
+    ("gemma3_text", 512, 1024),  # masked layer by layer, not capped
 ])  # fmt: skip
 def test_a_sliding_window_caps_the_context(
     family: str, window: int | None, length: int, tmp_path: Path, tokenizer_dir: Path

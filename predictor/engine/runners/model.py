@@ -9,7 +9,8 @@ tokens) per step), and attention reads a row's own positions only.
 The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
 Linear replacement works; attention and the cache are ours. Llama-family decoders and their
 kin (config.MODEL_TYPES): Qwen's biases and q/k norms, Phi-3's stored-fused projections, Gemma 2's
-sandwich norms and soft-capped logits are the differences handled here.
+sandwich norms and soft-capped logits, Gemma 3's per-layer rotary tables and sliding windows are
+the differences handled here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES
+from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES, WINDOW_MASKED
 from predictor.engine.runners import autotune, memory
 from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.int4_linear import (
@@ -119,6 +120,19 @@ class ModelRunner:
         # Gemma 2: attention scores and the final logits squashed by cap * tanh(x / cap)
         self._attention_cap = getattr(config, "attn_logit_softcapping", None)
         self._logit_cap = getattr(config, "final_logit_softcapping", None)
+        # Gemma 3: a rotary table per layer type (local and global bases), and its sliding
+        # layers attend to their last `sliding_window` keys only (masked here)
+        layer_types = list(
+            getattr(config, "layer_types", None) or ["full_attention"] * len(self._layers)
+        )
+        per_type = getattr(self._rotary, "layer_types", None) is not None
+        self._rope_kinds: list[str | None] = [t if per_type else None for t in layer_types]
+        window = getattr(config, "sliding_window", None)
+        masked = model_type in WINDOW_MASKED and window is not None
+        self._windows: list[int | None] = [
+            int(window) if masked and t == "sliding_attention" else None  # type: ignore[arg-type]
+            for t in layer_types
+        ]
         # Qwen3: each head's query and key RMS-normed (over head_dim) before rotary
         self._qk_norms = [
             (_rms_norm(layer.self_attn.q_norm), _rms_norm(layer.self_attn.k_norm))
@@ -179,9 +193,12 @@ class ModelRunner:
             if attention == "native":
                 raise ValueError("native attention needs a bf16 model on the CPU")
             return None
-        if self._attention_cap is not None:
+        if self._attention_cap is not None or any(self._windows):
             if attention == "native":
-                raise ValueError("native attention has no soft-capping of scores (Gemma 2)")
+                raise ValueError(
+                    "native attention has no soft-capping of scores (Gemma 2) nor sliding "
+                    "window masks (Gemma 3)"
+                )
             return None
         try:
             return decode_attention(
@@ -270,9 +287,10 @@ class ModelRunner:
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
         if self._ops is not None:
             return self._forward_native(hidden, plan, self._ops)
-        rope = self._rope(hidden, plan.positions)
+        ropes = {kind: self._rope(hidden, plan.positions, kind) for kind in set(self._rope_kinds)}
         for index, layer in enumerate(self._layers):
             before_attention, after_attention, before_mlp, after_mlp = self._norms[index]
+            rope = ropes[self._rope_kinds[index]]
             out = self._attention(index, layer.self_attn, before_attention(hidden), rope, plan)
             hidden = hidden + after_attention(out)
             hidden = hidden + after_mlp(self._mlp(index, layer.mlp, before_mlp(hidden)))
@@ -311,12 +329,16 @@ class ModelRunner:
         return self._logits(self._head(normed))  # [R, V]
 
     def _rope(
-        self, hidden: torch.Tensor, positions: list[int]
+        self, hidden: torch.Tensor, positions: list[int], kind: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin tables [N, heads + 2 kv_heads, head_dim] that rotate q and k and leave v
-        as it is (cos 1, sin 0), sin's first half negated, for `_attention`'s single pass."""
+        as it is (cos 1, sin 0), sin's first half negated, for `_attention`'s single pass
+        (`kind`: the layer type whose table, where the model has one per type)."""
         at = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
-        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        if kind is None:
+            cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        else:
+            cos, sin = self._rotary(hidden.unsqueeze(0), at, kind)
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
         half, rotated = self.head_dim // 2, self.heads + self.kv_heads
         shape = (hidden.shape[0], rotated + self.kv_heads, self.head_dim)
@@ -372,16 +394,23 @@ class ModelRunner:
             kv = kv.view(2, kv_heads, d, longest, dim)
             query = qkv[:d, :heads].reshape(d, kv_heads, group, dim).transpose(0, 1)
             scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, d, G, L]
+            # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
+            bias, window = plan.decode_bias, self._windows[index]
+            if window is not None:
+                bias = _window_bias(bias, window)
             if self._attention_cap is not None:
                 scores = self._cap(scores * self.scale)
-                probs = torch.softmax(torch.add(plan.decode_bias, scores), -1)
-            else:  # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
-                probs = torch.softmax(torch.add(plan.decode_bias, scores, alpha=self.scale), -1)
+                probs = torch.softmax(torch.add(bias, scores), -1)
+            else:
+                probs = torch.softmax(torch.add(bias, scores, alpha=self.scale), -1)
             attended = torch.matmul(probs.to(kv.dtype), kv[1])  # [kv_heads, d, G, dim]
             out[:d] = attended.transpose(0, 1).reshape(d, heads * dim)
         for first, count, slots, mask in plan.prefills:
             query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
             kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
+            window = self._windows[index]
+            if window is not None and slots.shape[0] > window:
+                mask = _window_mask(count, slots.shape[0], window, self.device)
             if self._attention_cap is not None:
                 attended = self._capped_attention(query, kv[:, :kv_heads], kv[:, kv_heads:], mask)
             else:
@@ -444,6 +473,22 @@ class ModelRunner:
             return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
         gate, up = fused.gate_up(hidden).chunk(2, -1)  # Phi-3's one gate_up_proj: gate first
         return fused.down(mlp.act_fn(gate) * up)
+
+
+def _window_bias(bias: torch.Tensor, window: int) -> torch.Tensor:
+    """A decode step's bias [d, 1, L] with the keys before each row's window masked too:
+    the query at position p sees keys p - window + 1 .. p (transformers' sliding window)."""
+    lengths = (bias[:, 0] == 0).sum(-1, keepdim=True)  # [d, 1]: keys in each row
+    keys = torch.arange(bias.shape[-1], device=bias.device).unsqueeze(0)  # [1, L]
+    return bias.masked_fill((keys < lengths - window).unsqueeze(1), float("-inf"))
+
+
+def _window_mask(count: int, total: int, window: int, device: torch.device) -> torch.Tensor:
+    """SDPA's boolean mask [1, 1, count, total] for a row's last `count` queries over its
+    `total` keys: causal, and no further back than the window."""
+    queries = torch.arange(total - count, total, device=device).unsqueeze(1)
+    keys = torch.arange(total, device=device).unsqueeze(0)
+    return ((keys <= queries) & (keys > queries - window)).view(1, 1, count, total)
 
 
 def _layer_norms(layer: Any) -> tuple[Any, Any, Any, Any]:

@@ -18,7 +18,7 @@ from predictor.model.loader import load_checkpoint
 from tests.engine.runners.test_model import step_logits
 from tests.support import ServerProcess, built_once, tune_cache
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 LAYOUTS = {  # served by gptqmodel's own modules where the runner cannot fuse them (act-order, 8 bits)
     "4bit-g32-asym": Layout(4, 32, sym=False),
     "4bit-g32-sym-v2-act-order": Layout(4, 32, sym=True, desc_act=True,
@@ -32,7 +32,11 @@ LAYOUTS = {  # served by gptqmodel's own modules where the runner cannot fuse th
 }  # fmt: skip
 SHAPE = SHAPES["tiny"]
 # Gemma 2's real attention cap (50) never binds on a tiny random model: a low one makes it
-OVERRIDES: dict[str, dict[str, Any]] = {"gemma2": {"attn_logit_softcapping": 2.0}}
+# and Gemma 3's window of 512 never slides over a 23-token prompt: one of 8 does
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "gemma2": {"attn_logit_softcapping": 2.0},
+    "gemma3_text": {"sliding_window": 8},
+}
 HALF = SHAPE.head_dim // 2
 # rope scaling as configs declare it: transformers' rotary module computes the tables the runner
 # uses, so each type must give the reference's tokens (longrope past its original length: the
@@ -123,11 +127,11 @@ def test_each_family_gives_transformers_tokens(
 ) -> None:
     path = checkpoint(workdir, tokenizer_dir, family, "4bit-g32-asym")
     loaded = load_checkpoint(path, device="cpu", threads=1)
-    assert type(loaded.model).__name__.lower().startswith(family)
+    assert type(loaded.model).__name__.lower().startswith(family.removesuffix("_text"))
     exact = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, kernel="native_f32",
                         autotune_cache=tune_cache())  # fmt: skip
     assert all(f is not None for f in exact._fused), "every layer fused (Qwen2's biases too)"
-    if family == "gemma2":  # soft-capped scores: torch's attention, its own norms
+    if family.startswith("gemma"):  # soft caps, windows: torch's attention, its own norms
         assert exact._native is None and exact._ops is None
     else:
         assert exact._ops is not None  # native attention and layer kernels
@@ -172,17 +176,19 @@ def test_each_layout_gives_transformers_first_token(
     assert got[0] == expected[0]
 
 
-def test_a_qwen3_checkpoint_is_served(workdir: Path, tokenizer_dir: Path) -> None:
-    """The real server on a Qwen3 checkpoint: OpenAI completions' greedy tokens are
-    transformers' (fp32-activation projections, native attention)."""
+@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
+def test_a_checkpoint_is_served(family: str, workdir: Path, tokenizer_dir: Path) -> None:
+    """The real server on a Qwen3 checkpoint (native attention) and a Gemma 3 one (windows
+    sliding past the prompt, torch attention): OpenAI completions' greedy tokens are
+    transformers' (fp32-activation projections)."""
     import httpx
 
-    path = checkpoint(workdir, tokenizer_dir, "qwen3", "4bit-g32-asym")
+    path = checkpoint(workdir, tokenizer_dir, family, "4bit-g32-asym")
     extra = ["--kernel", "native_f32", "--attention", "auto"]
-    with ServerProcess.start(path, "qwen3-tiny", extra=extra) as server:
+    with ServerProcess.start(path, "tiny", extra=extra) as server:
         answer = httpx.post(
             f"{server.base_url}/v1/completions",
-            json={"model": "qwen3-tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            json={"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
                   "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True},
             timeout=120,
         )  # fmt: skip
