@@ -87,7 +87,9 @@ def cache_key(identity: dict[str, Any]) -> str:
 
 
 def _source_digest() -> str:
-    sources = native.INT4_SOURCE.read_bytes() + native.INT8_SOURCE.read_bytes()
+    # the matmuls' sources and the header their tile driver and vector mappings live in
+    files = (native.INT4_SOURCE, native.INT8_SOURCE, native.HEADER)
+    sources = b"".join(path.read_bytes() for path in files)
     return hashlib.sha256(sources).hexdigest()[:16]
 
 

@@ -10,11 +10,6 @@ import torch
 
 from predictor.engine.runners import internals
 
-PROJECTIONS = (
-    ("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-    ("mlp", ("gate_proj", "up_proj", "down_proj")),
-)
-
 
 class PrepackedLinear(torch.nn.Module):
     def __init__(self, prepacked: torch.Tensor, bias: torch.Tensor | None, shape: Any) -> None:
@@ -48,12 +43,12 @@ def prepack(module: Any) -> PrepackedLinear | None:
 
 
 def prepack_layer(layer: Any) -> int:
-    """Replace the layer's plain bf16 projections by prepacked ones, in place; how many."""
+    """Replace the layer's plain bf16 projections (its attention's and MLP's Linears, whatever
+    the family names them) by prepacked ones, in place; how many."""
     done = 0
-    for block_name, names in PROJECTIONS:
-        block = getattr(layer, block_name)
-        for name in names:
-            packed = prepack(getattr(block, name, None))
+    for block in (layer.self_attn, layer.mlp):
+        for name, child in list(block.named_children()):
+            packed = prepack(child)
             if packed is not None:
                 setattr(block, name, packed)
                 done += 1

@@ -234,32 +234,35 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1)
 
 
-# torch's CPU int4pack (2.13): rows in blocks of 64; per block, for each k, byte d holds row d's
-# code in its low nibble and row d + 32's in its high one
-INT4PACK_BLOCK = 64
+# torch's CPU int4pack (2.13) stores rows in blocks (64 where torch runs AVX-512, 32 with AVX2):
+# per block, for each k, byte d holds row d's code in its low nibble and row d + block / 2's in
+# its high one
+INT4PACK_BLOCKS = (64, 32, 16)
 
 
 @functools.lru_cache(maxsize=1)
-def _int4pack_is_blocked() -> bool:
-    """Whether this torch's int4pack layout is the blocked one `int4pack_codes` reads with a
-    permute: checked once against the position table of a small probe."""
-    n, k, block = 2 * INT4PACK_BLOCK, 128, INT4PACK_BLOCK
-    order = torch.arange(n * k).view(n // block, 2, block // 2, k).permute(0, 3, 2, 1)
-    blocked = torch.equal(order.reshape(-1), _int4pack_positions(n, k))
-    if not blocked:
-        logger.warning(
-            "torch's int4pack layout is not the one int4_linear.py knows: codes are read back "
-            "through a position table (a slower start-up, the same kernels)"
-        )
-    return blocked
+def _int4pack_block() -> int | None:
+    """The block size of this torch's int4pack layout, which `int4pack_codes` reads with a
+    permute: found once against the position table of a small probe (None: another layout)."""
+    n, k = 2 * max(INT4PACK_BLOCKS), 128
+    positions = _int4pack_positions(n, k)
+    for block in INT4PACK_BLOCKS:
+        order = torch.arange(n * k).view(n // block, 2, block // 2, k).permute(0, 3, 2, 1)
+        if torch.equal(order.reshape(-1), positions):
+            return block
+    logger.warning(
+        "torch's int4pack layout is not one int4_linear.py knows: codes are read back through "
+        "a position table (a slower start-up, the same kernels)"
+    )
+    return None
 
 
 def int4pack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The codes [n, k] (uint8, 0..15) of a torch CPU int4pack weight: a permute of its nibbles
     (the layout known), else a scatter through `_int4pack_positions` (16M int64 indices at
     1.7B shapes: seconds a shape)."""
-    block = INT4PACK_BLOCK
-    if n % block == 0 and _int4pack_is_blocked():
+    block = _int4pack_block()
+    if block is not None and n % block == 0:
         nibbles = _nibbles(qweight).view(n // block, k, block // 2, 2)
         return nibbles.permute(0, 3, 2, 1).reshape(n, k)
     codes = torch.empty(n * k, dtype=torch.uint8)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from predictor.engine.runners import internals
 from predictor.engine.runners.dense_linear import prepack
+from predictor.engine.runners.int4_linear import prepack_available
 
 
-@pytest.mark.skipif(not internals.onednn_prepack_available(), reason="no oneDNN prepacking")
+@pytest.mark.skipif(
+    not prepack_available(), reason="oneDNN prepacks bf16 with AVX-512 or AVX-NE-CONVERT only"
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_equals_torch_linear(bias: bool) -> None:
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from load.random_gptq import SHAPES, Layout, write_checkpoint
+from predictor.engine.runners.int4_linear import prepack_available
 from predictor.engine.runners.model import ModelRunner
 from predictor.model.loader import load_checkpoint
 from tests.engine.runners.test_model import step_logits
@@ -164,7 +165,8 @@ def test_each_layout_gives_transformers_first_token(
     if LAYOUTS[layout].bits == 8:  # expanded to bf16 at load, prepacked for oneDNN
         assert loaded.kernel == "Linear (dequantized)"
         q_proj = loaded.model.model.layers[0].self_attn.q_proj
-        assert type(q_proj).__name__ == "PrepackedLinear"
+        # oneDNN's prepacked linear needs AVX-512 (or AVX-NE-CONVERT): torch's Linear elsewhere
+        assert type(q_proj).__name__ == ("PrepackedLinear" if prepack_available() else "Linear")
     if LAYOUTS[layout].desc_act:  # fused too: rows reordered at load, one gather a call
         first = runner._fused[0]
         assert all(f is not None for f in runner._fused)
