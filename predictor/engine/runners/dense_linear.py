@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import internals
+from predictor.engine.runners.int4_linear import note_once
 
 
 class PrepackedLinear(torch.nn.Module):
@@ -36,7 +37,9 @@ def prepack(module: Any) -> PrepackedLinear | None:
     try:
         prepacked = internals.onednn_reorder(weight, 16)
         internals.onednn_linear(torch.ones((1, weight.shape[1]), dtype=weight.dtype), prepacked)
-    except RuntimeError:  # this build cannot: the Linear stays as it is
+    except RuntimeError as error:  # this CPU cannot (no AVX-512): the Linear stays as it is
+        note_once(f"dense bf16 projections stay torch's Linear: oneDNN cannot prepack here "
+                  f"({type(error).__name__})")  # fmt: skip
         return None
     bias = None if module.bias is None else module.bias.detach()
     return PrepackedLinear(prepacked, bias, weight.shape)

@@ -46,7 +46,7 @@ class Int4Linear(torch.nn.Module):
     bias: torch.Tensor | None
     order: torch.Tensor | None
 
-    def __init__(self, parts: Sequence[Any]) -> None:
+    def __init__(self, parts: Sequence[internals.AtenPacked]) -> None:
         super().__init__()
         first = parts[0]
         self.group_size = int(first.group_size)
@@ -70,7 +70,7 @@ class Int4Linear(torch.nn.Module):
         # act-order: TorchAtenLinear stored the rows group by group (ExLlama's reordering, once
         # at load), so the input is gathered into that order: one gather for q, k and v, which
         # read one input and so share GPTQ's order
-        order = first.ret_idx.long()
+        order = first.order.long()
         identity = torch.equal(order, torch.arange(order.numel()))
         self.register_buffer("order", None if identity else order)
         self._kernels: dict[str, Kernel] = {INT4_OP: self._int4_op}
@@ -423,29 +423,22 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
         probe = torch.ones((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
         internals.onednn_linear(probe, prepacked)
         return prepacked
-    except Exception:  # this build cannot: the caller keeps its own matmul
+    except RuntimeError as error:  # this CPU cannot (no AVX-512): the caller keeps its matmul
+        note_once(f"oneDNN's prepacked bf16 linear is unavailable here ({type(error).__name__}): "
+                  "it is not a candidate")  # fmt: skip
         return None
 
 
-def _packed(module: Any, bias: bool = False) -> bool:
-    """A TorchAtenLinear packed for the CPU (packing it now, as its first forward would), with
-    no adapter, and no bias unless `bias`."""
-    if type(module).__name__ != "TorchAtenLinear" or module.training:
-        return False
-    if (module.bias is not None and not bias) or getattr(module, "adapter", None):
-        return False
-    if getattr(module, "linear_mode", None) is None and module.qweight.device.type == "cpu":
-        module.transform("cpu")
-        module.linear_mode = "inference"
-    if module.linear_mode != "inference" or not hasattr(module, "scales_and_zeros"):
-        return False
-    return isinstance(getattr(module, "ret_idx", None), torch.Tensor)
+@functools.cache
+def note_once(message: str) -> None:
+    """Log a fallback to a slower path once per process, with its reason."""
+    logger.info(message)
 
 
-def _one_order(parts: Sequence[Any]) -> bool:
+def _one_order(parts: Sequence[internals.AtenPacked]) -> bool:
     """The parts gather their input into one order (act-order's: those reading one input)."""
-    first = parts[0].ret_idx
-    return all(torch.equal(p.ret_idx, first) for p in parts[1:])
+    first = parts[0].order
+    return all(torch.equal(p.order, first) for p in parts[1:])
 
 
 @dataclass
@@ -469,19 +462,28 @@ def projections(layer: Any) -> tuple[list[Any], Any, list[Any], Any]:
     return qkv, attn.o_proj, gate_up, mlp.down_proj
 
 
-def fuse_layer(layer: Any) -> FusedLayer | None:
-    """The layer's projections fused, or None when any of them is not a plain packed
-    TorchAtenLinear (other kernels, a GPU): the runner then calls the model's own.
+def fuse_layer(layer: Any) -> FusedLayer | str:
+    """The layer's projections fused, or why not (the model's own modules then serve it, more
+    slowly: the runner logs the reason): one not a plain packed TorchAtenLinear (another
+    kernel, a dequantized checkpoint, a GPU), q/k/v or gate/up of different group sizes or
+    input orders.
 
     The model keeps its modules (transformers' own forward still works, e.g. for evaluation);
     the fused copies add the packed weights once more (about 50 MB for SmolLM2-135M)."""
-    qkv, o, gate_up, down = projections(layer)
-    if not all([_packed(m, bias=True) for m in qkv]):  # Qwen2's biased q, k and v
-        return None
-    if not all([_packed(m) for m in (*gate_up, o, down)]):
-        return None
-    if len({m.group_size for m in qkv}) != 1 or len({m.group_size for m in gate_up}) != 1:
-        return None
-    if not _one_order(qkv) or not _one_order(gate_up):
-        return None
-    return FusedLayer(Int4Linear(qkv), Int4Linear([o]), Int4Linear(gate_up), Int4Linear([down]))
+    qkv_modules, o_module, gate_up_modules, down_module = projections(layer)
+    qkv = [internals.aten_packed(m, bias=True) for m in qkv_modules]  # Qwen2's biased q, k, v
+    rest = [internals.aten_packed(m) for m in (*gate_up_modules, o_module, down_module)]
+    for part in (*qkv, *rest):
+        if isinstance(part, str):
+            return part
+    packed_qkv = [p for p in qkv if not isinstance(p, str)]
+    gate_up = [p for p in rest[: len(gate_up_modules)] if not isinstance(p, str)]
+    o, down = rest[-2], rest[-1]
+    assert not isinstance(o, str) and not isinstance(down, str)
+    if len({p.group_size for p in packed_qkv}) != 1 or len({p.group_size for p in gate_up}) != 1:
+        return "q/k/v or gate/up are quantized with different group sizes"
+    if not _one_order(packed_qkv) or not _one_order(gate_up):
+        return "q/k/v or gate/up gather their input in different act-orders"
+    return FusedLayer(
+        Int4Linear(packed_qkv), Int4Linear([o]), Int4Linear(gate_up), Int4Linear([down])
+    )

@@ -16,13 +16,23 @@ changes one fails there, naming it.
    bf16, packed, group, scales_and_zeros [K / group, N, 2] bf16)` -> [M, N]: tinygemm, the GPU
    runner's int4 kernel (cuda/linear.py); (code - 8) * scale + zero. The GPU machine runs
    another torch (2.11) than the CPU pin (2.13): the contract test runs there too.
+5. GPTQMODEL_ATEN: gptqmodel 7.6's `TorchAtenLinear` (the CPU kernel transformers loads a GPTQ
+   checkpoint with), packed for the CPU by its `transform("cpu")` (what its first forward does;
+   `linear_mode` "inference" after): `qweight` torch's int4pack [N, K / 2] uint8,
+   `scales_and_zeros` [groups, N, 2] bf16, `ret_idx` [K] (act-order's input order: rows stored
+   group by group), `group_size`, `in_features`, `out_features`, `bias`, `adapter`. The runner
+   reads them through `aten_packed` only; anything else is a reason it gives, and logs.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
-ITEMS = ("INT4PACK_MM", "INT4PACK_CONVERT", "ONEDNN_PREPACK", "INT4PACK_CUDA")
+ITEMS = ("INT4PACK_MM", "INT4PACK_CONVERT", "ONEDNN_PREPACK", "INT4PACK_CUDA", "GPTQMODEL_ATEN")
+ATEN_LINEAR = "TorchAtenLinear"
 
 
 def int4pack_mm(
@@ -64,3 +74,43 @@ def int4pack_mm_cuda(
 ) -> torch.Tensor:
     out: torch.Tensor = torch.ops.aten._weight_int4pack_mm(x, packed, group_size, scales_and_zeros)
     return out
+
+
+@dataclass(frozen=True)
+class AtenPacked:
+    """What the runner reads of a packed TorchAtenLinear."""
+
+    qweight: torch.Tensor  # torch's CPU int4pack [N, K / 2] uint8
+    scales_and_zeros: torch.Tensor  # [groups, N, 2] bf16
+    order: torch.Tensor  # [K] int: input k is read at order[k] (act-order; else the identity)
+    bias: torch.Tensor | None
+    group_size: int
+    in_features: int
+    out_features: int
+
+
+def aten_packed(module: Any, bias: bool = False) -> AtenPacked | str:
+    """The module's CPU int4pack tensors (packing it now, as its first forward would), or why
+    the runner's fused kernels cannot serve it: another kernel class, training mode, an
+    adapter, a bias (unless `bias`), not packable here."""
+    kind = type(module).__name__
+    if kind != ATEN_LINEAR:
+        return f"its Linears are {kind}, not gptqmodel's {ATEN_LINEAR}"
+    if module.training or getattr(module, "adapter", None):
+        return "a Linear is in training mode or carries an adapter"
+    if module.bias is not None and not bias:
+        return "an output projection has a bias"
+    if getattr(module, "linear_mode", None) is None and module.qweight.device.type == "cpu":
+        module.transform("cpu")
+        module.linear_mode = "inference"
+    if module.linear_mode != "inference":
+        return f"{ATEN_LINEAR} is in {module.linear_mode!r} mode, not packed for the CPU"
+    return AtenPacked(
+        qweight=module.qweight,
+        scales_and_zeros=module.scales_and_zeros,
+        order=module.ret_idx,
+        bias=module.bias,
+        group_size=int(module.group_size),
+        in_features=int(module.in_features),
+        out_features=int(module.out_features),
+    )

@@ -106,7 +106,9 @@ class ModelRunner:
         )
         self.scale = float(self._layers[0].self_attn.scaling)
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
-        self._fused = [fuse_layer(layer) for layer in self._layers]
+        fused = [fuse_layer(layer) for layer in self._layers]
+        self._fused = [f if isinstance(f, FusedLayer) else None for f in fused]
+        reasons = sorted({f for f in fused if isinstance(f, str)})
         # the layers it could not fuse: plain bf16 projections (dequantized) prepacked for oneDNN
         prepacked = sum(
             prepack_layer(layer) for layer, f in zip(self._layers, self._fused, strict=True)
@@ -114,6 +116,14 @@ class ModelRunner:
         )  # fmt: skip
         if prepacked:
             logger.info("%d dense bf16 projections prepacked for oneDNN", prepacked)
+        if reasons:  # logged once, with why: the model's own modules are the slower path
+            logger.log(
+                logging.INFO if prepacked else logging.WARNING,
+                "%d of %d layers not fused into the native int4 kernels (%s): %s",
+                len([f for f in self._fused if f is None]), len(self._fused), "; ".join(reasons),
+                "their dense projections serve them" if prepacked else "the model's own modules "
+                "serve them, more slowly",
+            )  # fmt: skip
         # per layer: the norms before attention and before the MLP, and (Gemma 2) after each
         self._norms = [_layer_norms(layer) for layer in self._layers]
         self._final_norm = _rms_norm(decoder.norm)

@@ -22,7 +22,7 @@ def layers(tiny_gptq: Any) -> tuple[list[Int4Linear], list[str]]:
     found, names = [], []
     for layer in tiny_gptq.model.model.layers:
         fused = fuse_layer(layer)
-        assert fused is not None
+        assert isinstance(fused, FusedLayer), fused
         for kind in FusedLayer.KINDS:
             found.append(getattr(fused, kind))
             names.append(kind)

@@ -132,10 +132,10 @@ def test_threads_split_the_tiles_with_the_same_numbers() -> None:
 
 
 def fused_layers(tiny_gptq: Any) -> list[Int4Linear]:
-    from predictor.engine.runners.int4_linear import fuse_layer
+    from predictor.engine.runners.int4_linear import FusedLayer, fuse_layer
 
     fused = fuse_layer(tiny_gptq.model.model.layers[0])
-    assert fused is not None
+    assert isinstance(fused, FusedLayer), fused
     return [fused.qkv, fused.o, fused.gate_up, fused.down]
 
 

@@ -3,6 +3,8 @@ torch op as the runners do, so a torch upgrade that changes one fails here, nami
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -70,3 +72,22 @@ def test_item_int4pack_cuda() -> None:
     expected = x.float() @ dense.cuda().t()
     error = (out.float() - expected).norm() / expected.norm()
     assert error < 2e-2, "INT4PACK_CUDA changed its layout or dequantization"
+
+
+def test_item_gptqmodel_aten(tiny_gptq: Any) -> None:
+    """The runner's view of a TorchAtenLinear packed for the CPU: its int4pack weights and
+    scales-and-zeros compute what the module's own forward does, through INT4PACK_MM."""
+    q_proj = tiny_gptq.model.model.layers[0].self_attn.q_proj
+    packed = internals.aten_packed(q_proj)
+    assert isinstance(packed, internals.AtenPacked), packed
+    n, k = packed.out_features, packed.in_features
+    assert packed.qweight.dtype == torch.uint8 and packed.qweight.shape == (n, k // 2)
+    assert packed.scales_and_zeros.shape == (k // packed.group_size, n, 2)
+    assert packed.order.shape == (k,) and packed.bias is None
+    x = torch.randn(3, k).to(torch.bfloat16)
+    ours = internals.int4pack_mm(x, packed.qweight, packed.group_size, packed.scales_and_zeros)
+    with torch.inference_mode():
+        theirs = q_proj(x)
+    assert torch.allclose(ours.float(), theirs.float(), atol=1e-2, rtol=1e-2), "GPTQMODEL_ATEN"
+    # and what it refuses, with its reason
+    assert "not gptqmodel's TorchAtenLinear" in str(internals.aten_packed(torch.nn.Linear(4, 4)))
