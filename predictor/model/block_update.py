@@ -14,11 +14,8 @@ How: the condition that picks the fused path is a line of GPTQ.quantize that nam
 (`FUSED_CONDITION`, internals item GPTQ_FUSED_BLOCK). Within the block, GPTQ.quantize is
 gptqmodel's own source with that one line widened to the CPU, and gptq_cuda's two functions
 answer for a CPU tensor with this kernel (for a CUDA one, with gptqmodel's). Where the line is not
-found, or no compiler is, gptqmodel's code runs unchanged.
-
-Measured on SmolLM2-135M's GPTQ phase with torch held to AVX2 (Zen 5, 2 cores, two builds each
-way, alternated): the workers' GPTQ.quantize calls took 43.6 s in torch; the main thread waited
-35-39 s for them before, 20-21 s after (load/RESULTS.md).
+found, or no compiler is, gptqmodel's code runs unchanged. The timings are in load/RESULTS.md,
+"make model profile".
 """
 
 from __future__ import annotations

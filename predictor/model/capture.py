@@ -1,10 +1,7 @@
 """gptqmodel's calibration forwards for GPTQ, without the work whose result nobody reads or that
-was done before.
-
-Profiled in `make model` with torch held to AVX2 (Zen 5, 2 cores, py-spy; load/RESULTS.md), the
-main thread spent 178 s in gptqmodel's layer loop: 70 s in the layers' forwards, 32 s in the
-hooks that add each batch to the Hessians, 7 s drawing gptqmodel's own progress bar (its output
-goes to quantize.log). Within `lean_capture()`:
+was done before: the layer loop's forwards, the hooks that add each batch to the Hessians and
+gptqmodel's own progress bar were most of the GPTQ phase (load/RESULTS.md, "make model
+profile", has the figures). Within `lean_capture()`:
 
 1. **No output for the module the forward stops at.** With `true_sequential` each subset's
    forward runs the layer up to its last hooked module, which raises gptqmodel's StopForward
@@ -17,10 +14,8 @@ goes to quantize.log). Within `lean_capture()`:
    on the same inputs, and so does the replay that makes the next layer's inputs: q/k/v,
    quantized after the first subset, are recomputed on the same input in the forwards for
    gate/up and down and in the replay, o in the last two, gate/up in the replay. Such a
-   product is now reused: 46% of the Linear work of SmolLM2-135M's build by FLOPs, 56% of its
-   products (25,966 -> 11,374). Measured (Zen 5, 2 cores): torch held to AVX2 (fp32 forwards)
-   41 s of products -> 22 s; AVX-512 (bf16 forwards) about 15 s -> 7.5 s; the comparing and
-   copying takes 4 s of that back (memcmp: torch.equal on bf16 took twice as long).
+   product is now reused: about half of the Linear work of a build (compared by memcmp, which
+   is cheaper than torch.equal on bf16).
 3. **gptqmodel's progress bar is not drawn**: quantize.py shows per-layer progress itself.
 
 None changes a number: the checkpoint is gptqmodel's bit for bit (tests/model/
@@ -28,11 +23,10 @@ test_capture.py). Only the plain case is changed (a Linear on its weights' devic
 or Hadamard rotation); anything else goes through gptqmodel's code. The private names used are
 items of internals.py.
 
-Tried and left out: one Hessian product a batch (gptqmodel adds X_s^T X_s text by text, "so
+Left out on purpose: one Hessian product a batch (gptqmodel adds X_s^T X_s text by text, "so
 that batched calibration accumulates with the semantics of batch size 1"). The same sum in
-another rounding order moves the checkpoint: with torch held to AVX2 the test ratio went from
-1.056 to 1.070 (validation 1.055 to 1.064), as large as the spread between runs of one recipe
-but no longer the checkpoint the recipe was chosen and reported on, for ~10 s.
+another rounding order moves the checkpoint away from the one the recipe was chosen and
+reported on, for seconds saved.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 With `mse > 0` gptqmodel's `Quantizer.find_params` tries 80 shrunk ranges (p = 1, 0.99, ... 0.21)
 for each group of 32 columns, one after another: eight small tensor operations and a
-synchronising `torch.any` per candidate, 4,680 groups for SmolLM2-135M. It was the largest
-single cost of `make model` (load/RESULTS.md, "make model profile"). `vectorised_scale_search()`
+synchronising `torch.any` per candidate, thousands of groups a model: the largest single cost
+of `make model` before this (load/RESULTS.md, "make model profile"). `vectorised_scale_search()`
 swaps in a method that scores all candidates of a group as one [candidates, rows, columns]
 tensor and keeps, per row, the first candidate with the least error: the choice the loop makes
 (it replaces the best only on a strictly smaller error), so the checkpoint is the same
@@ -20,12 +20,9 @@ choice bit for bit: every element is computed as torch computes it and each row'
 summed in the order of torch's own sum, which the module checks against torch.sum once a
 process before it uses the kernel (elsewhere: the torch version below). Its calls release the
 GIL, so gptqmodel's two solve workers search on both cores beside the calibration forwards.
-Measured in `make model` with torch held to AVX2 (Zen 5, 2 cores, py-spy): the search took 40 s
-of the solve workers' 74 s in torch; one group of 576 x 32, 1 thread: 3.7 ms in torch, 0.43 ms
-in C. The range in C as well (a dozen small torch operations a group before, each taking the
-GIL back): one group of 1536 x 32, two threads at once, 12.0-13.2 ms -> 9.8-10.7 ms (Xeon, AVX2
-held). A search that runs alone (o_proj's, down_proj's) splits its rows over the build's
-threads: 7.4 -> 3.8 ms for that group on 2 (load/RESULTS.md).
+The range is computed in C as well (a dozen small torch operations a group otherwise, each
+taking the GIL back), and a search that runs alone (o_proj's, down_proj's) splits its rows over
+the build's threads. The timings are in load/RESULTS.md, "make model profile".
 
 Cases this does not cover (symmetric 2-bit orientation search, group-wise QQQ, trits, a
 search that is not per channel) go to gptqmodel's own method unchanged.
