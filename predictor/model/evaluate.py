@@ -107,7 +107,7 @@ def load_candidate(
     `kernel` "auto" loads a GPTQ checkpoint the way the server does; "fp32" expands its 4-bit
     weights once into fp32 Linear layers and runs the whole model in fp32, like the fp32
     reference: the figure then measures the quantization alone, and no bf16 path is taken
-    (AVX2-only CPUs emulate bf16 matmuls, several times slower; DESIGN.md, "The stack").
+    (AVX2-only CPUs emulate bf16 matmuls, several times slower: predictor/model/precision.py).
     """
     import torch
 
@@ -129,6 +129,18 @@ def load_candidate(
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     model = model.to(target).eval()
     return Candidate(model, tokenizer, kind, str(model.dtype).removeprefix("torch."))
+
+
+def sequence_perplexity(path: Path, ids: list[int], threads: int = 1) -> float:
+    """A checkpoint's perplexity on ids[1:] in one forward over all of `ids` (fp: as stored;
+    GPTQ: dequantized exactly, fp32)."""
+    import torch
+
+    loaded = load_candidate(path, "cpu", threads, "fp32")
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    return math.exp(float(nll))
 
 
 def tokens_available(path: Path, max_tokens: int = MAX_TOKENS, window: int = WINDOW) -> int:

@@ -37,10 +37,19 @@ from typing import Any, TextIO
 from predictor.config import MODEL_TYPES
 from predictor.model import internals
 from predictor.model.env import prepare_environment
-from predictor.model.evaluate import QualityReport, evaluate, format_report, tokens_available
+from predictor.model.evaluate import (
+    TEXTS,
+    QualityReport,
+    evaluate,
+    format_report,
+    sequence_perplexity,
+    text_ids,
+    tokens_available,
+)
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
 from predictor.model.precision import calibration_dtype, keep_unquantized_in
 from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
+from predictor.model.served import served_perplexity
 from predictor.model.source import export_gguf_to_fp32, gguf_location
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
@@ -379,6 +388,25 @@ def check_source(source: Path, group_size: int) -> dict[str, Any]:
     return dict(config)
 
 
+SERVED_TOKENS = 1024  # of the test text, one context: what the served gate scores
+
+
+def served_quality(checkpoint: Path, source: Path, threads: int) -> dict[str, float]:
+    """The checkpoint's perplexity through the server (predictor.model.served: the autotune's
+    kernels) against the source's in process, on the same tokens of the test text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    context = int(json.loads((source / "config.json").read_text()).get("max_position_embeddings")
+                  or SERVED_TOKENS)  # fmt: skip
+    count = min(SERVED_TOKENS, tokens_available(source), context // 2)
+    ids = text_ids(tokenizer, TEXTS["test"], count)
+    served = served_perplexity(checkpoint, ids, threads)
+    reference = sequence_perplexity(source, ids, threads)
+    return {"tokens": len(ids), "perplexity": served, "reference": reference,
+            "ratio": served / reference}  # fmt: skip
+
+
 def build_from_source(
     source: Path,
     out: Path,
@@ -402,24 +430,35 @@ def build_from_source(
         texts = recipe.pick(every_text)
         dtype, why = calibration_dtype(source, dtype)
         progress.say(
-            f"[quantize] 1/2 GPTQ {bits}-bit of {source} ({config['model_type']}), "
+            f"[quantize] 1/3 GPTQ {bits}-bit of {source} ({config['model_type']}), "
             f"{recipe.describe()}, {len(texts)} of {len(every_text)} calibration texts, "
             f"{dtype} forwards ({why}), {threads} threads"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
             quantize_checkpoint(source, staged, texts, recipe=recipe, progress=progress,
                                 dtype=dtype, bits=bits)  # fmt: skip
-        progress.say(f"[quantize] 2/2 quality against {source} (bar: test ratio <= {max_ratio})")
+        progress.say(f"[quantize] 2/3 quality against {source} (bar: test ratio <= {max_ratio})")
         with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
             report = evaluate(staged, source, threads=threads, kernel="fp32",
                               max_tokens=tokens_available(source),
                               progress=evaluation_steps(progress))  # fmt: skip
         report = gate(report, max_ratio, shown_as=out)
+        progress.say(f"[quantize] 3/3 quality as served: the server's kernels on "
+                     f"{SERVED_TOKENS} tokens of the test text, against the source")  # fmt: skip
+        with timed_phase(phases, "served", progress, Path(tmp) / "served.log"):
+            served = served_quality(staged, source, threads)
+        progress.say(f"[quantize]     served perplexity {served['perplexity']:.3f} / source "
+                     f"{served['reference']:.3f} = ratio {served['ratio']:.3f}")  # fmt: skip
+        if not served["ratio"] <= max_ratio:
+            raise SystemExit(
+                f"quality gate failed as served: ratio {served['ratio']:.3f} is past the bar "
+                f"{max_ratio:.2f}; the checkpoint was not installed"
+            )
         seconds = {**phases, "total": time.monotonic() - started}
         build = {"source": str(source), "bits": bits, "recipe": asdict(recipe),
                  "calibration_dtype": dtype, "dtype_choice": why, "threads": threads,
                  "cpu": cpu_name(), "seconds": seconds}  # fmt: skip
-        quality = {**report.to_json(), "build": build}
+        quality = {**report.to_json(), "served": served, "build": build}
         (staged / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
         _install(staged, out)
     progress.say(

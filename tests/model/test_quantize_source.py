@@ -59,13 +59,16 @@ def test_a_users_qwen2_checkpoint_is_quantized_scored_and_served(
     run = quantize("--source", str(qwen2_source), "--out", str(out), "--group-size", "64",
                    "--texts", "48", "--threads", "1")  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "1/2 GPTQ 4-bit" in run.stdout and "(qwen2)" in run.stdout
-    assert "2/2 quality" in run.stdout and "ppl" in run.stdout.lower()
+    assert "1/3 GPTQ 4-bit" in run.stdout and "(qwen2)" in run.stdout
+    assert "2/3 quality" in run.stdout and "3/3 quality as served" in run.stdout
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (quant["bits"], quant["group_size"], quant["sym"]) == (4, 64, True)
     quality = json.loads((out / QUALITY_FILE).read_text())
     assert quality["build"]["source"] == str(qwen2_source)
-    assert quality["ratio"] <= 1.10  # the default bar held
+    assert quality["ratio"] <= 1.10  # the default bar held, in process and as served
+    served = quality["served"]
+    assert served["tokens"] == 512 and served["ratio"] <= 1.10  # half its 1,024-token context
+    assert served["ratio"] == pytest.approx(quality["ratio"], rel=0.05)
     loaded = load_checkpoint(out, device="cpu", threads=1)
     runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
     assert all(f is not None for f in runner._fused)  # its biased q, k, v fused too

@@ -1,0 +1,79 @@
+"""A checkpoint scored as the server serves it: `python -m predictor` started on it (its default
+kernels, the autotune's choice: int8 activations where they win, native attention), a text's
+tokens sent to OpenAI completions with `echo` and `logprobs`, its perplexity read back.
+
+evaluate.py scores a checkpoint in process, dequantized exactly in fp32 or through gptqmodel's
+kernel; what a client gets can differ by the serving kernels' own rounding. The quantize
+command's gate holds this figure to the same bar. Only a subprocess and HTTP: the model builder
+imports nothing of the engine or the server.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+NAME = "gate"  # the name the checkpoint is served under for the measurement
+
+
+def served_perplexity(
+    checkpoint: Path, ids: list[int], threads: int = 1, ready_timeout: float = 900.0
+) -> float:
+    """exp of the mean negative log-likelihood of ids[1:] given what precedes each, from the
+    served model's prompt logprobs (one request, the whole sequence as one context)."""
+    http, grpc = _free_port(), _free_port()
+    command = [sys.executable, "-m", "predictor", "--model-dir", str(checkpoint),
+               "--model-name", NAME, "--http-port", str(http), "--grpc-port", str(grpc),
+               "--threads", str(threads), "--max-tokens-limit", "16", "--default-max-tokens", "16",
+               "--max-prompt-tokens", str(len(ids))]  # fmt: skip
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL)  # fmt: skip
+        try:
+            base = f"http://127.0.0.1:{http}"
+            _wait_ready(process, f"{base}/v2/health/ready", ready_timeout, log)
+            answer = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": NAME, "prompt": ids, "max_tokens": 0, "echo": True,
+                      "logprobs": 0, "temperature": 0},
+                timeout=ready_timeout,
+            )  # fmt: skip
+            if answer.status_code != 200:
+                raise RuntimeError(f"the server answered {answer.status_code}: {answer.text}")
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    logprobs = answer.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout: float, log: object) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)  # type: ignore[attr-defined]
+            tail = log.read()[-3000:].decode(errors="replace")  # type: ignore[attr-defined]
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{tail}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server was not ready in {timeout:.0f} s")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -1,0 +1,25 @@
+"""predictor.model.served: a checkpoint's perplexity as the real server serves it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from predictor.model.evaluate import sequence_perplexity
+from predictor.model.served import served_perplexity
+
+
+def test_served_perplexity_is_the_in_process_one(tiny_gptq_dir: Path) -> None:
+    """The tiny GPTQ model through the server (its default kernels) against the same checkpoint
+    dequantized in fp32 in process, on the same 96 tokens: within 2%."""
+    ids = [(7919 * i) % 40000 + 100 for i in range(96)]
+    served = served_perplexity(tiny_gptq_dir, ids)
+    assert math.isfinite(served) and served > 1
+    assert served == pytest.approx(sequence_perplexity(tiny_gptq_dir, ids), rel=0.02)
+
+
+def test_a_server_that_cannot_start_says_why(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="the server exited with"):
+        served_perplexity(tmp_path / "no-model", [1, 2, 3], ready_timeout=120)
