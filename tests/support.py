@@ -160,7 +160,7 @@ def build_tiny_dense(out: Path, tokenizer_dir: Path) -> Path:
 
 def build_tiny_gptq(dense_dir: Path, out: Path) -> Path:
     """GPTQ 4-bit (group size 64) of the tiny model, with the project's calibration texts."""
-    from predictor.model.quantize import calibration_texts, quantize_checkpoint
+    from predictor.model.recipe import calibration_texts, quantize_checkpoint
 
     quantize_checkpoint(dense_dir, out, calibration_texts()[:64], group_size=64)
     return out

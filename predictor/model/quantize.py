@@ -30,12 +30,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from predictor.config import MODEL_TYPES
-from predictor.model import internals
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import (
     TEXTS,
@@ -47,8 +46,16 @@ from predictor.model.evaluate import (
     tokens_available,
 )
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
-from predictor.model.precision import calibration_dtype, keep_unquantized_in
+from predictor.model.precision import calibration_dtype
 from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
+from predictor.model.recipe import (
+    DEFAULT_RECIPE,
+    RECIPES,
+    Recipe,
+    calibration_texts,
+    quantize_checkpoint,
+    source_texts,
+)
 from predictor.model.served import served_perplexity
 from predictor.model.source import export_gguf_to_fp32, gguf_location
 
@@ -64,123 +71,6 @@ TYPICAL_MINUTES = (
     " an AMD EPYC Zen 5 held to AVX2 about 1 min, an Intel Xeon (family 6 model 167) held to AVX2"
     " 1:38-2:10"
 )
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """The GPTQ settings (gptqmodel QuantizeConfig fields) of a build."""
-
-    # The group size must divide every layer's input width (SmolLM2-135M: hidden 576, MLP 1536).
-    # 32 and asymmetric: the source's own grid (Q4_1 blocks of 32, each with a scale and minimum).
-    group_size: int = 32
-    sym: bool = False
-    desc_act: bool = False
-    act_group_aware: bool = True
-    static_groups: bool = False
-    damp_percent: float = 0.05
-    mse: float = 2.0  # search each group's scale and zero point for the least squared error
-    # Re-run the calibration forward after each subset (q/k/v, o, gate/up, down) of a layer, so
-    # later subsets see the already-quantized earlier ones: 4 forwards per layer instead of 1.
-    true_sequential: bool = True
-    # Calibration texts per forward batch (not a QuantizeConfig field). gptqmodel sorts the texts
-    # by length and leaves padding out of the Hessian; 32 measured no better than 8 (validation
-    # ratio 1.059 against 1.046-1.055 for 8, whose runs differ by that much: load/RESULTS.md).
-    batch_size: int = 8
-    # How many of calibration.txt's texts a build of the default model uses, evenly spaced over
-    # the file (0: all). Half of the 300 scored as well as all of them on both texts, in
-    # 0.6-0.7x the GPTQ phase's time (load/RESULTS.md, "Quantization recipe"). Not a QuantizeConfig
-    # field either; quantize_checkpoint uses the texts it is given.
-    texts: int = 150
-
-    def quantize_config(self) -> dict[str, Any]:
-        """The gptqmodel QuantizeConfig fields."""
-        fields = asdict(self)
-        del fields["batch_size"], fields["texts"]
-        return fields
-
-    def pick(self, texts: Sequence[str]) -> list[str]:
-        """The texts of `texts` this recipe calibrates on: `self.texts` of them, evenly spaced."""
-        count = min(self.texts or len(texts), len(texts))
-        return [texts[i * len(texts) // count] for i in range(count)]
-
-    def describe(self) -> str:
-        kind = "symmetric" if self.sym else "asymmetric"
-        flags = ("desc_act", "static_groups", "act_group_aware", "true_sequential")
-        extras = "".join(f", {name}" for name in flags if getattr(self, name))
-        search = f", mse {self.mse:g}" if self.mse else ""
-        return f"group size {self.group_size}, {kind}{extras}{search}, batches of {self.batch_size}"
-
-
-# Chosen by measurement on the validation text: load/RESULTS.md, "Quantization recipe".
-RECIPES = {
-    "default": Recipe(),
-    "all-texts": Recipe(texts=0),  # every text: 2x the forwards, no better (RESULTS)
-    "one-pass": Recipe(true_sequential=False),
-}
-DEFAULT_RECIPE = RECIPES["default"]
-GROUP_SIZE = DEFAULT_RECIPE.group_size
-
-
-def calibration_texts(name: str = "calibration.txt") -> list[str]:
-    """The project's calibration texts, one per line of `name` (beside this module)."""
-    path = Path(__file__).with_name(name)
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
-def source_texts() -> list[str]:
-    """What a `--source` build calibrates on: the default build's texts (dialogue, prose, code,
-    how-tos) and calibration_extra.txt's domains (tables, lists, legal and technical text),
-    interleaved so a recipe's evenly spaced pick keeps every domain."""
-    base = calibration_texts()
-    extra = [t.replace("\\n", "\n") for t in calibration_texts("calibration_extra.txt")]  # tables
-    step = max(1, len(base) // max(1, len(extra)))
-    texts: list[str] = []
-    for index, text in enumerate(base):
-        texts.append(text)
-        if index % step == step - 1 and extra:
-            texts.append(extra.pop(0))
-    return texts + extra
-
-
-def quantize_checkpoint(
-    source: Path,
-    out: Path,
-    texts: Sequence[str],
-    group_size: int | None = None,
-    recipe: Recipe = DEFAULT_RECIPE,
-    progress: Progress | None = None,
-    dtype: str = "auto",
-    bits: int = 4,
-) -> None:
-    """GPTQ-quantize an fp checkpoint folder to `bits`; writes the checkpoint and tokenizer.
-
-    `group_size` overrides the recipe's (the tiny test model keeps its own). With `progress`,
-    each finished layer is a step of its current phase. `dtype` is that of the calibration
-    forwards ("auto": the faster here, predictor.model.precision); the checkpoint stores its
-    unquantized weights in bf16 either way.
-    """
-    import torch
-    from gptqmodel import GPTQModel, QuantizeConfig
-
-    from predictor.model.block_update import fused_block_update
-    from predictor.model.capture import lean_capture
-    from predictor.model.scale_search import vectorised_scale_search
-
-    dtype, _ = calibration_dtype(source, dtype)
-    if group_size is not None:
-        recipe = replace(recipe, group_size=group_size)
-    config = QuantizeConfig(bits=bits, **recipe.quantize_config())
-    model = GPTQModel.load(str(source), config, dtype=getattr(torch, dtype))
-    if progress is not None:
-        progress.phase("layer", int(model.model.config.num_hidden_layers))
-        internals.set_subset_callback(model, progress)  # its subset_event(stage=..., ...)
-    with vectorised_scale_search(), lean_capture(), fused_block_update():
-        model.quantize(list(texts), batch_size=recipe.batch_size)
-    model.save(str(out))
-    keep_unquantized_in(out)
-    for extra in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
-        if (source / extra).is_file() and not (out / extra).is_file():
-            shutil.copy(source / extra, out / extra)
 
 
 def greedy_chat(model_dir: Path, question: str, max_new_tokens: int = 24, threads: int = 2) -> str:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from predictor.model import block_update, internals
-from predictor.model.quantize import Recipe, calibration_texts, quantize_checkpoint
+from predictor.model.recipe import Recipe, calibration_texts, quantize_checkpoint
 
 pytestmark = pytest.mark.skipif(block_update._kernel() is None, reason="no C compiler here")
 

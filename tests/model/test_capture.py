@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from predictor.model import capture, internals
-from predictor.model.quantize import Recipe, calibration_texts, quantize_checkpoint
+from predictor.model.recipe import Recipe, calibration_texts, quantize_checkpoint
 
 
 @dataclass

@@ -25,13 +25,8 @@ from predictor.model.evaluate import (
     main,
     text_ids,
 )
-from predictor.model.quantize import (
-    DEFAULT_RECIPE,
-    QUALITY_FILE,
-    build_default_model,
-    calibration_texts,
-    gate,
-)
+from predictor.model.quantize import QUALITY_FILE, build_default_model, gate
+from predictor.model.recipe import DEFAULT_RECIPE, calibration_texts
 
 
 @pytest.fixture(scope="module")

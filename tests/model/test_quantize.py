@@ -14,13 +14,8 @@ import predictor.model
 from predictor.model import quantize
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import QualityReport, Scored
-from predictor.model.quantize import (
-    DEFAULT_RECIPE,
-    RECIPES,
-    Recipe,
-    calibration_texts,
-    check_quality,
-)
+from predictor.model.quantize import check_quality
+from predictor.model.recipe import DEFAULT_RECIPE, RECIPES, Recipe, calibration_texts
 
 
 def _report(test_ratio: float, validation_ratio: float) -> QualityReport:

@@ -14,7 +14,8 @@ import torch
 
 from predictor.engine.runners.model import ModelRunner
 from predictor.model.loader import load_checkpoint
-from predictor.model.quantize import QUALITY_FILE, source_texts
+from predictor.model.quantize import QUALITY_FILE
+from predictor.model.recipe import source_texts
 from tests.engine.runners.test_families import PROMPT, greedy, reference_tokens
 from tests.support import REPO, built_once, tune_cache
 

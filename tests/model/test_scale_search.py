@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from predictor.model import scale_search
-from predictor.model.quantize import Recipe, quantize_checkpoint
+from predictor.model.recipe import Recipe, quantize_checkpoint
 from predictor.model.scale_search import vectorised_scale_search
 
 needs_compiler = pytest.mark.skipif(
@@ -135,7 +135,7 @@ def test_the_checkpoint_is_bit_for_bit_the_one_gptqmodel_makes(
     from safetensors.torch import load_file
 
     from predictor.model import capture
-    from predictor.model.quantize import calibration_texts
+    from predictor.model.recipe import calibration_texts
 
     texts = calibration_texts()[:16]
     recipe = Recipe(group_size=64)
