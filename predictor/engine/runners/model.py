@@ -21,10 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES, WINDOW_MASKED
-from predictor.engine.runners import autotune, memory
+from predictor.engine.runners import autotune, memory, torch_attention
 from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.int4_linear import (
     FusedLayer,
@@ -395,74 +394,18 @@ class ModelRunner:
                 torch.get_num_threads(),  # --threads, on the step thread
             )  # fmt: skip
         elif plan.decode_rows:
-            # one query per row: plain batched matmuls (bf16 SDPA with one query measured 6x
-            # slower here), the query heads grouped by the kv head they share (GQA), kv heads
-            # leading so the gathered keys and values are multiplied where they lie
-            d, group = plan.decode_rows, heads // kv_heads
-            longest = plan.decode_slots.shape[1]
-            kv = pool.index_select(1, plan.decode_slots.view(-1))  # [2 kvh, d L, dim]
-            kv = kv.view(2, kv_heads, d, longest, dim)
-            query = qkv[:d, :heads].reshape(d, kv_heads, group, dim).transpose(0, 1)
-            scores = torch.matmul(query, kv[0].transpose(-1, -2))  # [kv_heads, d, G, L]
-            # bias [d, 1, L]: 0 where a key exists, -inf past a row's end; fp32 softmax
-            bias, window = plan.decode_bias, self._windows[index]
-            if window is not None:
-                bias = _window_bias(bias, window)
-            if self._attention_cap is not None:
-                scores = self._cap(scores * self.scale)
-                probs = torch.softmax(torch.add(bias, scores), -1)
-            else:
-                probs = torch.softmax(torch.add(bias, scores, alpha=self.scale), -1)
-            attended = torch.matmul(probs.to(kv.dtype), kv[1])  # [kv_heads, d, G, dim]
-            out[:d] = attended.transpose(0, 1).reshape(d, heads * dim)
+            out[: plan.decode_rows] = torch_attention.decode(
+                qkv, pool, plan, heads, self.scale, self._attention_cap, self._windows[index]
+            )
         for first, count, slots, mask in plan.prefills:
             query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
             kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
-            window = self._windows[index]
-            if window is not None and slots.shape[0] > window:
-                mask = _window_mask(count, slots.shape[0], window, self.device)
-            if self._attention_cap is not None:
-                attended = self._capped_attention(query, kv[:, :kv_heads], kv[:, kv_heads:], mask)
-            else:
-                attended = F.scaled_dot_product_attention(
-                    query,
-                    kv[:, :kv_heads],
-                    kv[:, kv_heads:],
-                    attn_mask=mask,
-                    is_causal=mask is None,
-                    scale=self.scale,
-                    enable_gqa=heads != kv_heads,
-                )
+            attended = torch_attention.prefill(
+                query, kv[:, :kv_heads], kv[:, kv_heads:], mask, self.scale,
+                self._attention_cap, self._windows[index],
+            )  # fmt: skip
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
         return fused.o.forward(out) if fused is not None else attn.o_proj(out)
-
-    def _cap(self, scores: torch.Tensor) -> torch.Tensor:
-        cap = float(self._attention_cap)  # type: ignore[arg-type]
-        return torch.tanh(scores / cap) * cap
-
-    def _capped_attention(
-        self,
-        query: torch.Tensor,  # [1, heads, Q, dim]
-        keys: torch.Tensor,  # [1, kv_heads, T, dim]; the last Q are the queries' own
-        values: torch.Tensor,
-        mask: torch.Tensor | None,  # SDPA's: True or 0 where a query may attend
-    ) -> torch.Tensor:
-        """SDPA's result with the scores soft-capped before the softmax (Gemma 2's eager
-        attention: SDPA cannot cap), in fp32."""
-        group = self.heads // self.kv_heads
-        keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-        scores = self._cap(torch.matmul(query.float(), keys.float().transpose(-1, -2)) * self.scale)
-        count, total = query.shape[2], keys.shape[2]
-        if mask is None:  # causal: query i sees the keys up to its own, total - count + i
-            mask = torch.ones((count, total), dtype=torch.bool, device=query.device).tril(
-                total - count
-            )
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-        probs = torch.softmax(scores, -1)
-        return torch.matmul(probs, values.float()).to(query.dtype)
 
     def _norm_heads(self, index: int, qkv: torch.Tensor, n: int) -> torch.Tensor:
         """Qwen3's q_norm and k_norm on each head of q and k, in place ([N, q + 2 kv])."""
@@ -483,22 +426,6 @@ class ModelRunner:
             return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
         gate, up = fused.gate_up(hidden).chunk(2, -1)  # Phi-3's one gate_up_proj: gate first
         return fused.down(mlp.act_fn(gate) * up)
-
-
-def _window_bias(bias: torch.Tensor, window: int) -> torch.Tensor:
-    """A decode step's bias [d, 1, L] with the keys before each row's window masked too:
-    the query at position p sees keys p - window + 1 .. p (transformers' sliding window)."""
-    lengths = (bias[:, 0] == 0).sum(-1, keepdim=True)  # [d, 1]: keys in each row
-    keys = torch.arange(bias.shape[-1], device=bias.device).unsqueeze(0)  # [1, L]
-    return bias.masked_fill((keys < lengths - window).unsqueeze(1), float("-inf"))
-
-
-def _window_mask(count: int, total: int, window: int, device: torch.device) -> torch.Tensor:
-    """SDPA's boolean mask [1, 1, count, total] for a row's last `count` queries over its
-    `total` keys: causal, and no further back than the window."""
-    queries = torch.arange(total - count, total, device=device).unsqueeze(1)
-    keys = torch.arange(total, device=device).unsqueeze(0)
-    return ((keys <= queries) & (keys > queries - window)).view(1, 1, count, total)
 
 
 def _layer_norms(layer: Any) -> tuple[Any, Any, Any, Any]:
