@@ -10,7 +10,7 @@ import gc
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import REGISTRY
 
@@ -29,6 +29,7 @@ from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_
 from predictor.observability.metrics import Metrics
 from predictor.observability.observer import Observer
 from predictor.observability.payloads import PayloadLog
+from predictor.observability.startup import StartupClock
 from predictor.observability.tenants import TenantLabels
 from predictor.observability.tracing import start_tracing
 from predictor.protocols.limits import Limits
@@ -37,7 +38,12 @@ from predictor.serving.kserve_argv import hide_argv_from_kserve
 log = logging.getLogger("predictor")
 
 
-def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> AsyncEngine:
+def build_engine(
+    loaded: LoadedModel,
+    settings: Settings,
+    metrics: Metrics,
+    on_prepared: Callable[[], None] | None = None,
+) -> AsyncEngine:
     """Runner, scheduler and step loop behind the asyncio front."""
     allocator = BlockAllocator(
         blocks_for(settings.max_cache_tokens, settings.kv_block_size), settings.kv_block_size
@@ -61,6 +67,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
                 autotune_cache=settings.autotune_dir,
                 release_model_weights=True,  # only the runner runs the served model
                 batch_invariant=settings.batch_invariant,
+                copies_after_ready=True,  # ready sooner; many-row steps at speed soon after
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc
@@ -76,6 +83,7 @@ def build_engine(loaded: LoadedModel, settings: Settings, metrics: Metrics) -> A
         prefix_caching=settings.prefix_caching,
         on_prefix_cache=metrics.observe_prefix_cache,
         on_preempt=metrics.observe_preemption,
+        on_prepared=on_prepared,
     )
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
@@ -135,6 +143,8 @@ def build_observer(settings: Settings, metrics: Metrics) -> Observer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    startup = StartupClock()
+    startup.mark("imports")
     settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
     # our INFO lines (kernel choices, memory, readiness) on stderr: configured here, at the edge
     # (they once appeared only because importing gptqmodel configures the root logger)
@@ -159,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # the compiler runs while the checkpoint loads (a first start: seconds)
                 build_matmuls_in_background(library_cache(settings.autotune_dir))
             loaded = load_checkpoint(model_dir, settings.device, threads=1, kernel=settings.kernel)
+        startup.mark("load")
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
@@ -171,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
     observer = build_observer(settings, metrics)
     try:
-        engine = build_engine(loaded, settings, metrics)
+        engine = build_engine(loaded, settings, metrics, startup.ready)
+        startup.mark("engine")
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2

@@ -56,6 +56,7 @@ class StepLoop:
         prefix_caching: bool = True,
         on_prefix_cache: Callable[[int, int], None] | None = None,
         on_preempt: Callable[[], None] | None = None,
+        on_prepared: Callable[[], None] | None = None,
     ) -> None:
         self.runner = runner
         self.scheduler = scheduler
@@ -70,6 +71,7 @@ class StepLoop:
         # called at each request's first admission with (prompt tokens, of them cached)
         self._on_prefix_cache = on_prefix_cache
         self._on_preempt = on_preempt  # called once per preemption
+        self._on_prepared = on_prepared  # called once, on this thread, when ready
         # called on this thread after each step: AsyncEngine hands the step's events to asyncio
         # in one batch there (one wake-up of the event loop per step, not one per row)
         self.after_step: Callable[[], None] | None = None
@@ -112,6 +114,8 @@ class StepLoop:
         self.runner.bind_thread()
         self.last_progress = self._clock()
         self.prepared.set()
+        if self._on_prepared is not None:
+            self._on_prepared()
         while not self._stopping.is_set():
             if not self.batch and not self.scheduler.waiting():
                 self._wake.wait(timeout=0.5)

@@ -101,13 +101,18 @@ def tune(
     cache_dir: Path | None,
     forced: str = "auto",
     invariant: bool = False,
-) -> tuple[Choices, Kernel]:
+    defer_copies: bool = False,
+) -> tuple[Choices, Kernel, list[Deferred]]:
     """Choose and install a plan on every layer of `linears` (named by kind: qkv, o, ...), and
-    the lm_head kernel; returns the choices and the head's per-bucket dispatcher. `forced`: a
-    fused kernel name every projection uses at every row count (only lm_head is measured).
-    `invariant` (--batch-invariant): each matmul gets one kernel for every row count, among
-    those whose rows come out the same whatever rows share the call (checked here, on this
-    machine); where none is, one called a row at a time."""
+    the lm_head kernel; returns the choices, the head's per-bucket dispatcher and what was
+    deferred. `forced`: a fused kernel name every projection uses at every row count (only
+    lm_head is measured). `invariant` (--batch-invariant): each matmul gets one kernel for
+    every row count, among those whose rows come out the same whatever rows share the call
+    (checked here, on this machine); where none is, one called a row at a time.
+    `defer_copies`: the layers get their plans without the buckets of kernels that hold a copy
+    of the weights (`lean`), to be completed by `complete` (the runner: after the server is
+    ready, on a thread of its own). At 1.7B shapes the bf16 copies are 3.4 GB, most of a
+    restart's 20 s; a step meanwhile runs its rows on the kernel of the bucket below."""
     groups = _groups(linears, names)
     heads = head_candidates(head)
     if invariant:
@@ -133,11 +138,55 @@ def tune(
     else:
         choices = _measure(groups, heads, head_name, forced, invariant)
         _write_cache(cache_dir, key, identity, choices)
+    defer = defer_copies and not invariant
+    deferred: list[Deferred] = []
     for name, group in groups.items():
+        plan = choices.plans[name]
+        now = lean(plan) if defer else plan
         for layer in group:
-            layer.use(choices.plans[name])
-    built = {name: make() for name, make in heads.items() if _chosen(choices, head_name, name)}
-    return choices, _dispatch([(rows, built[name]) for rows, name in choices.plans[head_name]])
+            layer.use(now, final=now == plan)
+            if now != plan:
+                deferred.append((layer, plan))
+    head_plan = choices.plans[head_name]
+    built: dict[str, Kernel] = {}
+
+    def head_kernel(plan: list[tuple[int, str]]) -> Kernel:
+        for _, name in plan:
+            if name not in built:
+                built[name] = heads[name]()
+        return _dispatch([(rows, built[name]) for rows, name in plan])
+
+    head_now = lean(head_plan) if defer else head_plan
+    if head_now != head_plan:
+        deferred.append((head_kernel, head_plan))
+    return choices, head_kernel(head_now), deferred
+
+
+# what `tune` deferred: a layer (or the head's builder) and the plan it is to complete
+Deferred = tuple[Int4Linear | Callable[[list[tuple[int, str]]], Kernel], list[tuple[int, str]]]
+
+
+def lean(plan: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """`plan` without the buckets of kernels that hold a copy of the weights past its first:
+    their rows run on the kernel below them."""
+    kept: list[tuple[int, str]] = []
+    for rows, name in plan:
+        if kept and (_copy(name) or name == kept[-1][1]):
+            continue
+        kept.append((rows, name))
+    return kept
+
+
+def complete(deferred: Sequence[Deferred]) -> Kernel | None:
+    """Build what `tune` deferred and switch each layer to its whole plan; the head's whole
+    dispatcher where it was deferred too."""
+    head = None
+    for layer, plan in deferred:
+        if isinstance(layer, Int4Linear):
+            layer.use(plan)
+        else:
+            head = layer(plan)
+    return head
 
 
 def _with_rowwise(names: list[str], invariant: bool) -> list[str]:
@@ -198,8 +247,8 @@ def _measure(
         sample = _sample(group)
         kernels = {name: [layer.kernel(name) for layer in sample] for name in candidates}
         choices.plans[key], choices.figures[key] = _buckets(kernels, k, generator, invariant)
-        for layer in group:  # only the winners stay built
-            layer.use(choices.plans[key])
+        for layer in sample:  # only the winners stay built (`tune` builds the others' plans)
+            layer.use(choices.plans[key], final=False)
     built: dict[str, list[Kernel]] = {}
     width = int(next(iter(groups.values()))[0].in_features) if groups else 0
     weight_width = _head_width(heads) or width

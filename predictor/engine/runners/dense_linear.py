@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import internals
-from predictor.engine.runners.int4_linear import note_once
+from predictor.engine.runners.int4_codes import note_once
 
 
 class PrepackedLinear(torch.nn.Module):

@@ -28,6 +28,16 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import internals, native
+from predictor.engine.runners.int4_codes import (
+    codes_buffer,
+    dequantize_codes,
+    give_back,
+    gptq_codes,
+    int4pack_codes,
+    note_once,
+    repack_codes,
+    scratch,
+)
 from predictor.engine.runners.invariance import ROWWISE, rowwise
 
 logger = logging.getLogger(__name__)
@@ -53,8 +63,13 @@ class Int4Linear(torch.nn.Module):
         self.in_features = int(first.in_features)
         self.splits = [int(p.out_features) for p in parts]
         self.out_features = sum(self.splits)
-        # packed weights [N, K / 2] and scales-and-zeros [groups, N, 2]: N side by side
-        qweight = torch.cat([p.qweight for p in parts], dim=0)
+        # torch's int4pack [N, K / 2] of the parts side by side: theirs where they were packed,
+        # else packed from the codes only if the int4 op serves (`_pack_int4`); GPTQ's tensors
+        # as loaded are read until a plan is set (`use`), then let go
+        packed = all(p.int4pack for p in parts)
+        empty = torch.empty(0, dtype=torch.uint8)
+        qweight = torch.cat([p.qweight for p in parts]) if packed else empty
+        self._parts = [] if packed else list(parts)
         scales_and_zeros = torch.cat([p.scales_and_zeros for p in parts], dim=1)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -128,22 +143,29 @@ class Int4Linear(torch.nn.Module):
                 raise ValueError(f"unknown kernel {name!r}")
         return self._kernels[name]
 
-    def use(self, plan: Sequence[tuple[int, str]]) -> None:
-        """Run `plan`: (fewest rows, kernel) pairs, the first at 1 row; drop unused kernels."""
+    def use(self, plan: Sequence[tuple[int, str]], final: bool = True) -> None:
+        """Run `plan`: (fewest rows, kernel) pairs, the first at 1 row; drop unused kernels.
+        Not `final`: a later call completes it, so the 4-bit weights stay readable. Safe while
+        another thread runs the layer: it switches to the new plan between two calls."""
         plan = sorted((int(rows), resolve_kernel(name)) for rows, name in plan)
         if not plan or plan[0][0] != 1:
             raise ValueError("a plan starts at 1 row")
-        if not self.qweight.numel() and any(
+        if not self._readable() and any(
             name not in self._kernels or name == INT4_OP for _, name in plan
         ):
-            raise ValueError("the int4pack weights were dropped: only the built kernels remain")
+            raise ValueError("the 4-bit weights were dropped: only the built kernels remain")
         kernels = {name: self.kernel(name) for _, name in plan}
+        if INT4_OP in kernels:
+            self._pack_int4()
         self._by_rows = [kernels[plan[0][1]]]  # index 0: never used (no step has 0 rows)
         for rows in range(1, plan[-1][0] + 1):
             self._by_rows.append(kernels[[n for low, n in plan if low <= rows][-1]])
         self.plan = list(plan)
         self._kernels = {INT4_OP: self._int4_op, **kernels}
-        self._codes_read = None
+        self._let_codes_go()
+        if not final:
+            return
+        self._parts = []  # the checkpoint's own tensors: the runner lets them go
         bases = {name.removeprefix(ROWWISE) for name in kernels}  # what the kernels read
         if not any(name.startswith("native_") for name in bases) and self.qweight.numel():
             self._native_weight = None
@@ -156,21 +178,47 @@ class Int4Linear(torch.nn.Module):
 
     def _int4_op(self, x: torch.Tensor) -> torch.Tensor:
         if not self.qweight.numel():
-            raise RuntimeError("the int4pack weights were dropped: plan the int4 op to use it")
+            if not self._readable():
+                raise RuntimeError("the int4pack weights were dropped: plan the int4 op to use it")
+            self._pack_int4()  # before a plan is set (evaluation, tests): packed at first use
         return internals.int4pack_mm(x, self.qweight, self.group_size, self.scales_and_zeros)
 
+    def _readable(self) -> bool:
+        """Whether the codes can still be read (for a kernel not built yet)."""
+        return bool(self._parts) or bool(self.qweight.numel())
+
+    def _pack_int4(self) -> None:
+        if not self.qweight.numel():
+            self.qweight = internals.convert_to_int4pack(self._codes().int()).contiguous()
+
     def _codes(self) -> torch.Tensor:
-        """The weights' codes [N, K] (uint8), read back once for every kernel built from them
-        (`use` lets them go)."""
+        """The weights' codes [N, K] (uint8), read once for every kernel built from them (`use`
+        lets them go): unpacked from GPTQ's tensors as loaded, else read back from int4pack."""
         if self._codes_read is None:
-            self._codes_read = int4pack_codes(self.qweight, self.out_features, self.in_features)
+            if self._parts:
+                size = self.out_features * self.in_features
+                codes = codes_buffer(size).view(self.out_features, -1)
+                low = 0
+                for part in self._parts:
+                    gptq_codes(part, codes[low : low + part.out_features])
+                    low += part.out_features
+                self._codes_read = codes
+            else:
+                self._codes_read = int4pack_codes(self.qweight, self.out_features, self.in_features)
         return self._codes_read
+
+    def _let_codes_go(self) -> None:
+        if self._codes_read is not None and self._parts:
+            give_back(self._codes_read)  # the next layer's codes are unpacked into it
+        self._codes_read = None
 
     def _prepacked(self) -> Kernel:
         weight = None
         if internals.onednn_prepack_available():
-            dense = _dequantize_codes(self._codes(), self.scales_and_zeros, self.group_size)
-            weight = _reorder(dense)
+            dense = dequantize_codes(
+                self._codes(), self.scales_and_zeros, self.group_size, scratch(self.shape)
+            )
+            weight = _reorder(dense)  # a copy: the scratch serves the next layer
         if weight is None:
             raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
         return lambda x: internals.onednn_linear(x, weight)
@@ -181,7 +229,7 @@ class Int4Linear(torch.nn.Module):
             raise ValueError(f"{name} cannot run here ({self.shape}, CPU {native.usable_isas()})")
         compiled = native.int4_matmul(isa)
         if self._native_weight is None:
-            self._native_weight = _repack_codes(
+            self._native_weight = repack_codes(
                 compiled, self._codes(), self.scales_and_zeros, self.group_size, self.in_features
             )
         weight, n, k, group = (
@@ -216,120 +264,11 @@ def resolve_kernel(name: str) -> str:
     return name
 
 
-@functools.lru_cache(maxsize=8)
-def _int4pack_positions(n: int, k: int) -> torch.Tensor:
-    """Where torch's CPU int4pack layout puts each code: nibble i (low nibble of byte i // 2
-    first) holds code [n][k] number positions[i]. Read off torch's own packing of the codes'
-    indices, 4 bits at a time, so it follows whatever layout this torch version uses."""
-    index = torch.arange(n * k, dtype=torch.int64)
-    positions = torch.zeros(n * k, dtype=torch.int64)
-    for shift in range(0, max(1, (n * k - 1).bit_length()), 4):
-        digits = ((index >> shift) & 15).to(torch.int32).view(n, k)
-        packed = internals.convert_to_int4pack(digits)
-        positions |= _nibbles(packed).long() << shift
-    return positions
-
-
-def _nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 15, packed >> 4), dim=-1).reshape(-1)
-
-
-# torch's CPU int4pack (2.13) stores rows in blocks (64 where torch runs AVX-512, 32 with AVX2):
-# per block, for each k, byte d holds row d's code in its low nibble and row d + block / 2's in
-# its high one
-INT4PACK_BLOCKS = (64, 32, 16)
-
-
-@functools.lru_cache(maxsize=1)
-def _int4pack_block() -> int | None:
-    """The block size of this torch's int4pack layout, which `int4pack_codes` reads with a
-    permute: found once against the position table of a small probe (None: another layout)."""
-    n, k = 2 * max(INT4PACK_BLOCKS), 128
-    positions = _int4pack_positions(n, k)
-    for block in INT4PACK_BLOCKS:
-        order = torch.arange(n * k).view(n // block, 2, block // 2, k).permute(0, 3, 2, 1)
-        if torch.equal(order.reshape(-1), positions):
-            return block
-    logger.warning(
-        "torch's int4pack layout is not one int4_linear.py knows: codes are read back through "
-        "a position table (a slower start-up, the same kernels)"
-    )
-    return None
-
-
-def int4pack_codes(qweight: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The codes [n, k] (uint8, 0..15) of a torch CPU int4pack weight: a permute of its nibbles
-    (the layout known), else a scatter through `_int4pack_positions` (16M int64 indices at
-    1.7B shapes: seconds a shape)."""
-    block = _int4pack_block()
-    if block is not None and n % block == 0:
-        nibbles = _nibbles(qweight).view(n // block, k, block // 2, 2)
-        return nibbles.permute(0, 3, 2, 1).reshape(n, k)
-    codes = torch.empty(n * k, dtype=torch.uint8)
-    codes[_int4pack_positions(n, k)] = _nibbles(qweight)
-    return codes.view(n, k)
-
-
-def release_repack_tables() -> None:
-    """Free the cached int4pack position tables (the runner calls it once its layers are built)."""
-    _int4pack_positions.cache_clear()
-
-
-def _repack(
-    compiled: native.Int4Kernel,
-    qweight: torch.Tensor,
-    scales_and_zeros: torch.Tensor,
-    group_size: int,
-    in_features: int,
-) -> torch.Tensor:
-    """The int4pack weights and their scales and zeros in int4_matmul.c's layout (uint8)."""
-    codes = int4pack_codes(qweight, scales_and_zeros.shape[1], in_features)
-    return _repack_codes(compiled, codes, scales_and_zeros, group_size, in_features)
-
-
-def _repack_codes(
-    compiled: native.Int4Kernel,
-    codes: torch.Tensor,
-    scales_and_zeros: torch.Tensor,
-    group_size: int,
-    in_features: int,
-) -> torch.Tensor:
-    n = scales_and_zeros.shape[1]
-    codes = codes.contiguous()
-    scales = scales_and_zeros[..., 0].to(torch.bfloat16).contiguous()  # [groups, n]
-    zeros = scales_and_zeros[..., 1].to(torch.bfloat16).contiguous()
-    out = torch.empty(native.Int4Kernel.packed_bytes(n, in_features, group_size), dtype=torch.uint8)
-    compiled.repack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, in_features,
-                    group_size, out.data_ptr())  # fmt: skip
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def prepack_available() -> bool:
     """Whether oneDNN's prepacked bf16 linear works here (it refuses CPUs without avx512bw/vl/dq
     or avx_ne_convert)."""
     return _reorder(torch.ones((16, 16), dtype=torch.bfloat16)) is not None
-
-
-def dequantize_int4pack(
-    qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int
-) -> torch.Tensor:
-    """The weights [N, K] in bf16, exactly as torch's int4 op computes them: scale * (code - 8)
-    + zero per group (torch's int4pack convention), from the codes read back. Not through the
-    op itself on an identity matrix: that is K^2 N multiply-adds, 1.3 s a projection at 1.7B
-    shapes, where this is a few element-wise passes."""
-    codes = int4pack_codes(qweight, scales_and_zeros.shape[1], in_features)
-    return _dequantize_codes(codes, scales_and_zeros, group_size)
-
-
-def _dequantize_codes(
-    codes: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    n, k = codes.shape
-    scales = scales_and_zeros[..., 0].float().t().unsqueeze(-1)  # [N, groups, 1]
-    zeros = scales_and_zeros[..., 1].float().t().unsqueeze(-1)
-    weight = codes.reshape(n, k // group_size, group_size).float()  # each group broadcast
-    return weight.sub_(8).mul_(scales).add_(zeros).view(n, k).to(torch.bfloat16)
 
 
 def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
@@ -427,12 +366,6 @@ def _reorder(weight: torch.Tensor) -> torch.Tensor | None:
         note_once(f"oneDNN's prepacked bf16 linear is unavailable here ({type(error).__name__}): "
                   "it is not a candidate")  # fmt: skip
         return None
-
-
-@functools.cache
-def note_once(message: str) -> None:
-    """Log a fallback to a slower path once per process, with its reason."""
-    logger.info(message)
 
 
 def _one_order(parts: Sequence[internals.AtenPacked]) -> bool:

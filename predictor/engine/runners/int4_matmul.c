@@ -63,6 +63,44 @@ void int4_repack(const uint8_t *codes, const uint16_t *scales, const uint16_t *z
     }
 }
 
+/* GPTQ's packed weights qweight [k / 8][n] (int32: input 8i + j of column c in bits 4j..4j+3
+   of word [i][c]) as codes [n][k] (uint8), input p of each column read from input order[p]
+   (act-order's group-by-group order; NULL: the identity). At load: the start-up of a 1-8B model
+   reads every weight through here once (torch's shifts and gathers took seconds a layer). */
+void gptq_unpack4(const int32_t *qweight, int64_t k, int64_t n, const int64_t *order,
+                  uint8_t *codes) {
+    for (int64_t c = 0; c < n; c++) {
+        uint8_t *row = codes + c * k;
+        if (order == NULL) {
+            for (int64_t i = 0; i < k / 8; i++) {
+                const uint32_t word = (uint32_t)qweight[i * n + c];
+                for (int j = 0; j < 8; j++) row[i * 8 + j] = (uint8_t)((word >> (4 * j)) & 15);
+            }
+        } else {
+            for (int64_t p = 0; p < k; p++) {
+                const int64_t at = order[p];
+                row[p] = (uint8_t)(((uint32_t)qweight[(at >> 3) * n + c] >> (4 * (at & 7))) & 15);
+            }
+        }
+    }
+}
+
+/* Codes [n][k] and scales, zeros [k / gs][stride] (bf16, columns [0, n) read) as bf16 weights
+   [n][k]: scale * (code - 8) + zero, the product exact in fp32 (an 8-bit mantissa times a 4-bit
+   integer), the sum rounded once to nearest even: the numbers torch's int4 op dequantizes to. */
+void int4_dequantize(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                     int64_t n, int64_t k, int64_t gs, int64_t stride, uint16_t *out) {
+    for (int64_t c = 0; c < n; c++) {
+        for (int64_t g = 0; g < k / gs; g++) {
+            const float s = from_bf16(scales[g * stride + c]);
+            const float z = from_bf16(zeros[g * stride + c]);
+            const uint8_t *src = codes + c * k + g * gs;
+            uint16_t *dst = out + c * k + g * gs;
+            for (int64_t i = 0; i < gs; i++) dst[i] = to_bf16((float)(src[i] - 8) * s + z);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void store_rows(const vf *acc, int R, int64_t col,
                                                             int64_t n, uint16_t *out,
                                                             int64_t out_stride) {

@@ -17,11 +17,15 @@ changes one fails there, naming it.
    runner's int4 kernel (cuda/linear.py); (code - 8) * scale + zero. The GPU machine runs
    another torch (2.11) than the CPU pin (2.13): the contract test runs there too.
 5. GPTQMODEL_ATEN: gptqmodel 7.6's `TorchAtenLinear` (the CPU kernel transformers loads a GPTQ
-   checkpoint with), packed for the CPU by its `transform("cpu")` (what its first forward does;
-   `linear_mode` "inference" after): `qweight` torch's int4pack [N, K / 2] uint8,
-   `scales_and_zeros` [groups, N, 2] bf16, `ret_idx` [K] (act-order's input order: rows stored
-   group by group), `group_size`, `in_features`, `out_features`, `bias`, `adapter`. The runner
-   reads them through `aten_packed` only; anything else is a reason it gives, and logs.
+   checkpoint with). As loaded (`linear_mode` None): GPTQ's own tensors, `qweight` [K / 8, N]
+   int32, `qzeros` [groups, N / 8] int32 holding the zero codes themselves (`qzero_format()` 2:
+   gptqmodel converts v1 checkpoints' code - 1 at load), `scales` [groups, N], `g_idx` [K],
+   `bits`. Once packed by its `transform("cpu")` (what its first forward does; `linear_mode`
+   "inference" after): `qweight` torch's int4pack [N, K / 2] uint8, `scales_and_zeros`
+   [groups, N, 2] bf16, `ret_idx` [K] (act-order's input order: rows stored group by group).
+   Both: `group_size`, `in_features`, `out_features`, `bias`, `adapter`. The runner reads them
+   through `aten_packed` only (as loaded where it can: packing a 1.7B model took 12 s of its
+   start-up); anything else is a reason it gives, and logs.
 """
 
 from __future__ import annotations
@@ -78,10 +82,11 @@ def int4pack_mm_cuda(
 
 @dataclass(frozen=True)
 class AtenPacked:
-    """What the runner reads of a packed TorchAtenLinear."""
+    """What the runner reads of a TorchAtenLinear, as loaded or packed (`int4pack`)."""
 
-    qweight: torch.Tensor  # torch's CPU int4pack [N, K / 2] uint8
-    scales_and_zeros: torch.Tensor  # [groups, N, 2] bf16
+    qweight: torch.Tensor  # GPTQ's [K / 8, N] int32, or (int4pack) torch's [N, K / 2] uint8
+    int4pack: bool
+    scales_and_zeros: torch.Tensor  # [groups, N, 2] bf16 (torch's convention: see int4_linear)
     order: torch.Tensor  # [K] int: input k is read at order[k] (act-order; else the identity)
     bias: torch.Tensor | None
     group_size: int
@@ -90,9 +95,9 @@ class AtenPacked:
 
 
 def aten_packed(module: Any, bias: bool = False) -> AtenPacked | str:
-    """The module's CPU int4pack tensors (packing it now, as its first forward would), or why
-    the runner's fused kernels cannot serve it: another kernel class, training mode, an
-    adapter, a bias (unless `bias`), not packable here."""
+    """The module's 4-bit tensors (GPTQ's as loaded; else packed now, as its first forward
+    would), or why the runner's fused kernels cannot serve it: another kernel class, training
+    mode, an adapter, a bias (unless `bias`), not packable here."""
     kind = type(module).__name__
     if kind != ATEN_LINEAR:
         return f"its Linears are {kind}, not gptqmodel's {ATEN_LINEAR}"
@@ -100,15 +105,53 @@ def aten_packed(module: Any, bias: bool = False) -> AtenPacked | str:
         return "a Linear is in training mode or carries an adapter"
     if module.bias is not None and not bias:
         return "an output projection has a bias"
-    if getattr(module, "linear_mode", None) is None and module.qweight.device.type == "cpu":
+    on_cpu = module.qweight.device.type == "cpu"
+    if getattr(module, "linear_mode", None) is None and on_cpu and _as_loaded(module):
+        return _loaded(module)
+    if getattr(module, "linear_mode", None) is None and on_cpu:
         module.transform("cpu")
         module.linear_mode = "inference"
     if module.linear_mode != "inference":
         return f"{ATEN_LINEAR} is in {module.linear_mode!r} mode, not packed for the CPU"
     return AtenPacked(
         qweight=module.qweight,
+        int4pack=True,
         scales_and_zeros=module.scales_and_zeros,
         order=module.ret_idx,
+        bias=module.bias,
+        group_size=int(module.group_size),
+        in_features=int(module.in_features),
+        out_features=int(module.out_features),
+    )
+
+
+def _as_loaded(module: Any) -> bool:
+    """GPTQ's 4-bit tensors, zero codes as they are (v2), in the shapes `_loaded` reads."""
+    n, k = int(module.out_features), int(module.in_features)
+    return (
+        int(module.bits) == 4
+        and module.qzero_format() == 2
+        and module.qweight.dtype == torch.int32
+        and tuple(module.qweight.shape) == (k // 8, n)
+        and module.qzeros.dtype == torch.int32
+        and module.qzeros.shape[1] * 8 == n
+        and k % 8 == 0
+    )
+
+
+def _loaded(module: Any) -> AtenPacked:
+    """GPTQ's tensors as loaded, with the scales and zero offsets `transform("cpu")` computes:
+    bf16 scales, zero = (8 - zero code) * scale in bf16 (torch's int4 op: scale * (code - 8) +
+    zero), and act-order's input order (inputs sorted by group, stably: its `ret_idx`)."""
+    scales = module.scales.to(torch.bfloat16)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    zero_codes = ((module.qzeros.unsqueeze(2) >> shifts) & 15).reshape(scales.shape)
+    zeros = (8 - zero_codes.to(torch.bfloat16)) * scales
+    return AtenPacked(
+        qweight=module.qweight,
+        int4pack=False,
+        scales_and_zeros=torch.stack((scales, zeros), dim=2).contiguous(),
+        order=torch.argsort(module.g_idx.to(torch.int64), stable=True),
         bias=module.bias,
         group_size=int(module.group_size),
         in_features=int(module.in_features),

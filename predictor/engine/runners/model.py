@@ -16,6 +16,8 @@ the differences handled here.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,8 @@ import torch
 from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES, WINDOW_MASKED
 from predictor.engine.runners import autotune, memory, torch_attention
 from predictor.engine.runners.dense_linear import prepack_layer
-from predictor.engine.runners.int4_linear import (
-    FusedLayer,
-    Kernel,
-    fuse_layer,
-    projections,
-    release_repack_tables,
-)
+from predictor.engine.runners.int4_codes import release_repack_tables
+from predictor.engine.runners.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
 from predictor.engine.runners.native import (
     MATMULS,
@@ -62,6 +59,7 @@ class ModelRunner:
         autotune_cache: Path | None = None,
         release_model_weights: bool = False,
         batch_invariant: bool = False,
+        copies_after_ready: bool = False,
     ) -> None:
         """`attention`: how decode rows attend. "native": the C kernel of native.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
@@ -79,7 +77,11 @@ class ModelRunner:
         `batch_invariant`: a request's tokens do not depend on what else is batched with it, on
         prefix-cache hits or on preemption: each matmul runs one row-invariant kernel at every
         row count (autotune.py checks which are, here), and with native attention every token
-        attends as a decode row, prompt chunks too (plan.py, `queries_as_decode`)."""
+        attends as a decode row, prompt chunks too (plan.py, `queries_as_decode`).
+
+        `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
+        thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
+        is ready seconds sooner, its many-row steps slower until they are built."""
         model_type = getattr(model.config, "model_type", "")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModel(
@@ -162,6 +164,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         self._autotune_cache = autotune_cache
         self._release_model_weights = release_model_weights
+        self._copies_after_ready = copies_after_ready
+        self._completing: threading.Thread | None = None
         self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
         self.choices: autotune.Choices | None = None
         dtype = self._embed.weight.dtype
@@ -255,12 +259,39 @@ class ModelRunner:
                     logger.warning("native %s matmul unavailable: %s", name, error)
                 else:  # logged here: the build may have run before logging was set up
                     logger.info("native %s matmul ready (%s)", name, library.describe())
-        self.choices, self._head = autotune.tune(
+        started = time.perf_counter()
+        self.choices, self._head, deferred = autotune.tune(
             linears, [kind for _, kind in fused], self._lm_head, threads,
-            self._autotune_cache, self.kernel, self.batch_invariant,
+            self._autotune_cache, self.kernel, self.batch_invariant, self._copies_after_ready,
         )  # fmt: skip
-        release_repack_tables()
         autotune.log_choices(self.choices, threads)
+        later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
+        logger.info("kernels: %.1f s (choices: %s)%s", time.perf_counter() - started,
+                    self.choices.source.split(" ")[0], later)  # fmt: skip
+        if not deferred:
+            self._release()
+            return
+        self._completing = threading.Thread(
+            target=self._complete, args=(deferred,), name="kernel-copies", daemon=True
+        )
+        self._completing.start()
+
+    def _complete(self, deferred: list[autotune.Deferred]) -> None:
+        """What the autotune deferred, on a thread of its own while the step thread serves:
+        one thread (the step thread keeps the others), the layers switched one by one."""
+        started = time.perf_counter()
+        torch.set_num_threads(1)
+        head = autotune.complete(deferred)
+        if head is not None:
+            self._head = head  # the step thread reads it at its next step
+        logger.info("kernels: %d matmuls' copies built in %.1f s: every plan complete",
+                    len(deferred), time.perf_counter() - started)  # fmt: skip
+        self._release()
+
+    def _release(self) -> None:
+        """Let go of what serving no longer reads: the tables and scratch the kernels were built
+        with, the model's own 4-bit tensors, the mapped checkpoint's pages."""
+        release_repack_tables()
         if self._release_model_weights and all(f is not None for f in self._fused):
             for layer in self._layers:
                 qkv, o, gate_up, down = projections(layer)

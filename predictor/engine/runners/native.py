@@ -86,6 +86,9 @@ PROTOTYPES = {
                                    f32 scale, ptr out, ptr scratch, i64 threads)""",
     "int4_matmul.c": """
         void int4_repack(ptr codes, ptr scales, ptr zeros, i64 n, i64 k, i64 gs, ptr w)
+        void gptq_unpack4(ptr qweight, i64 k, i64 n, ptr order, ptr codes)
+        void int4_dequantize(ptr codes, ptr scales, ptr zeros, i64 n, i64 k, i64 gs, i64 stride,
+                             ptr out)
         int int4_matmul(ptr x, i64 rows, i64 k, ptr w, i64 n, i64 gs, ptr out, i64 out_stride,
                         i64 threads, i64 int8)
         int int4_vector_width()
@@ -234,6 +237,9 @@ class Int4Kernel:
     # not a multiple of 32
     repack: Callable[[int, int, int, int, int, int, int], None]
     matmul: Callable[[int, int, int, int, int, int, int, int, int, int], int]
+    # at load: GPTQ's int32 words into codes; codes, scales and zeros into bf16 weights
+    unpack: Callable[[int, int, int, int | None, int], None]
+    dequantize: Callable[[int, int, int, int, int, int, int, int], None]
 
     @staticmethod
     def packed_bytes(n: int, k: int, group_size: int) -> int:
@@ -272,7 +278,15 @@ def _int4_matmul(isa: str, cache_dir: Path | None) -> Int4Kernel:
     lib = _matmul_library(isa, INT4_SOURCE, cache_dir)
     threaded = bool(_bind(lib, "int4_threaded")())
     width = int(_bind(lib, "int4_vector_width")())
-    return Int4Kernel(isa, width, threaded, _bind(lib, "int4_repack"), _bind(lib, "int4_matmul"))
+    return Int4Kernel(
+        isa,
+        width,
+        threaded,
+        _bind(lib, "int4_repack"),
+        _bind(lib, "int4_matmul"),
+        _bind(lib, "gptq_unpack4"),
+        _bind(lib, "int4_dequantize"),
+    )
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def layers(tiny_gptq: Any) -> tuple[list[Int4Linear], list[str]]:
 
 def tune(tiny_gptq: Any, cache: Path | None, forced: str = "auto") -> autotune.Choices:
     linears, names = layers(tiny_gptq)
-    choices, head = autotune.tune(linears, names, tiny_gptq.model.lm_head, 1, cache, forced)
+    choices, head, _ = autotune.tune(linears, names, tiny_gptq.model.lm_head, 1, cache, forced)
     x = torch.randn((3, linears[0].in_features)).bfloat16()
     assert head(x).shape == (3, tiny_gptq.model.lm_head.weight.shape[0])
     for layer, kind in zip(linears, names, strict=True):  # every layer runs its plan
@@ -165,3 +165,43 @@ def test_the_int8_head_is_a_candidate_keyed_by_its_source(
     changed.write_text(native.INT8_SOURCE.read_text() + "\n/* changed */\n")
     monkeypatch.setattr(native, "INT8_SOURCE", changed)  # another int8 kernel: measured again
     assert tune(tiny_gptq, tmp_path).source == "measured"
+
+
+def test_lean_plans_leave_out_the_copies_past_the_first_bucket() -> None:
+    copy, lean_kernel = "prepacked_bf16", "native_i8_avx2"
+    assert autotune.lean([(1, lean_kernel), (16, copy), (64, lean_kernel)]) == [(1, lean_kernel)]
+    assert autotune.lean([(1, copy), (8, lean_kernel), (32, copy)]) == [(1, copy), (8, lean_kernel)]
+    assert autotune.lean([(1, lean_kernel), (8, "int4_op")]) == [(1, lean_kernel), (8, "int4_op")]
+
+
+def test_copies_are_built_after_tune_returns(
+    tiny_gptq: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """defer_copies (the server's start-up): the layers serve at once on lean plans, every row
+    count on the kernels without a bf16 copy; `complete` then builds the copies and switches
+    each layer, and the head, to its whole plan."""
+    linears, names = layers(tiny_gptq)
+    if "prepacked_bf16" not in linears[0].candidates():
+        pytest.skip("oneDNN's prepacked bf16 linear is unavailable on this CPU")
+    whole = [(1, "int4_op"), (16, "prepacked_bf16")]
+
+    def measured(groups: dict[str, Any], heads: dict[str, Any], head_name: str, *_: Any) -> Any:
+        plans = {key: list(whole) for key in groups}
+        plans[head_name] = [(1, "module"), (16, "fp32")] if "fp32" in heads else [(1, "module")]
+        return autotune.Choices(plans)
+
+    monkeypatch.setattr(autotune, "_measure", measured)
+    head_module = tiny_gptq.model.lm_head
+    choices, head, deferred = autotune.tune(linears, names, head_module, 1, None, defer_copies=True)
+    assert all(layer.plan == [(1, "int4_op")] for layer in linears)
+    layer_count = len(linears)
+    assert len(deferred) in (layer_count, layer_count + 1)  # the head's too where it has a copy
+    x = (torch.randn((16, linears[0].in_features)) * 0.5).bfloat16()
+    lean_out = linears[0](x)
+    whole_head = autotune.complete(deferred)
+    assert all(layer.plan == whole for layer in linears)
+    assert (whole_head is not None) == (len(deferred) > layer_count)
+    whole_out = linears[0](x)  # the bf16 copy now: the same weights, exactly expanded
+    assert torch.allclose(whole_out.float(), lean_out.float(), atol=0.05, rtol=0.05)
+    assert choices.plans[next(iter(choices.plans))] == whole
+    assert head(x).shape[0] == 16

@@ -10,12 +10,8 @@ import pytest
 import torch
 
 from predictor.engine.runners import native
-from predictor.engine.runners.int4_linear import (
-    Int4Linear,
-    _int4pack_block,
-    _repack,
-    int4pack_codes,
-)
+from predictor.engine.runners.int4_codes import _int4pack_block, _repack, int4pack_codes
+from predictor.engine.runners.int4_linear import Int4Linear
 from tests.support import native_cache
 
 ISAS = native.usable_isas()
@@ -42,7 +38,7 @@ def quantized(n: int, k: int, group: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def repacked(kernel: native.Int4Kernel, q: dict, n: int, k: int, group: int) -> torch.Tensor:
-    """The kernel's layout straight from the codes (any n), as int4_linear._repack makes it."""
+    """The kernel's layout straight from the codes (any n), as int4_codes._repack makes it."""
     weight = torch.empty(native.Int4Kernel.packed_bytes(n, k, group), dtype=torch.uint8)
     codes = q["codes"].to(torch.uint8).contiguous()
     kernel.repack(codes.data_ptr(), q["scales"].contiguous().data_ptr(),
@@ -225,7 +221,7 @@ def test_dequantized_int4pack_is_what_the_int4_op_computes(n: int, k: int, group
     """The bf16 expansion the prepacked kernel serves equals, bit for bit, the int4 op applied
     to an identity matrix (what it was computed by before: K^2 N multiply-adds)."""
     from predictor.engine.runners import internals
-    from predictor.engine.runners.int4_linear import dequantize_int4pack
+    from predictor.engine.runners.int4_codes import dequantize_int4pack
 
     generator = torch.Generator().manual_seed(n)
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
@@ -236,3 +232,26 @@ def test_dequantized_int4pack_is_what_the_int4_op_computes(n: int, k: int, group
     eye = torch.eye(k, dtype=torch.bfloat16)
     expected = internals.int4pack_mm(eye, packed, group, scales_and_zeros).t()
     assert torch.equal(dequantize_int4pack(packed, scales_and_zeros, group, k), expected)
+
+
+def test_gptq_words_unpack_alike_in_c_and_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPTQ's int32 words [K / 8, N] as codes [N, K], inputs in act-order's order: the C
+    helper (int4_matmul.c's gptq_unpack4) and torch's fallback agree with the words' meaning."""
+    from predictor.engine.runners import int4_codes, internals
+
+    n, k = 48, 64
+    codes = torch.randint(0, 16, (k, n), dtype=torch.int64)  # [input][column]
+    words = torch.zeros((k // 8, n), dtype=torch.int64)
+    for j in range(8):
+        words |= codes[j::8] << (4 * j)
+    qweight = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)  # the words' bits, signed
+    order = torch.randperm(k)
+    part = internals.AtenPacked(
+        qweight=qweight, int4pack=False, scales_and_zeros=torch.zeros((2, n, 2)), order=order,
+        bias=None, group_size=32, in_features=k, out_features=n,
+    )  # fmt: skip
+    expected = codes[order].t().to(torch.uint8)
+    if native.usable_isas():
+        assert torch.equal(int4_codes.gptq_codes(part), expected), "C unpack"
+    monkeypatch.setattr(int4_codes, "load_helpers", lambda: None)
+    assert torch.equal(int4_codes.gptq_codes(part), expected), "torch unpack"

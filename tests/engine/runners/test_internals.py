@@ -3,12 +3,13 @@ torch op as the runners do, so a torch upgrade that changes one fails here, nami
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
 
 from predictor.engine.runners import internals
+from predictor.model.loader import load_checkpoint
 
 
 def int4_weights(n: int = 32, k: int = 64, group: int = 32) -> tuple[torch.Tensor, ...]:
@@ -74,20 +75,32 @@ def test_item_int4pack_cuda() -> None:
     assert error < 2e-2, "INT4PACK_CUDA changed its layout or dequantization"
 
 
-def test_item_gptqmodel_aten(tiny_gptq: Any) -> None:
-    """The runner's view of a TorchAtenLinear packed for the CPU: its int4pack weights and
-    scales-and-zeros compute what the module's own forward does, through INT4PACK_MM."""
-    q_proj = tiny_gptq.model.model.layers[0].self_attn.q_proj
+def test_item_gptqmodel_aten(tiny_gptq_dir: Path) -> None:
+    """The runner's two views of a TorchAtenLinear: GPTQ's tensors as loaded, and once the
+    module has packed itself for the CPU its int4pack weights and scales-and-zeros; both
+    compute what the module's own forward does, through INT4PACK_MM."""
+    from predictor.engine.runners.int4_codes import gptq_codes
+
+    fresh = load_checkpoint(tiny_gptq_dir, device="cpu")  # no forward has packed it yet
+    q_proj = fresh.model.model.layers[0].self_attn.q_proj
+    loaded = internals.aten_packed(q_proj)
+    assert isinstance(loaded, internals.AtenPacked), loaded
+    n, k = loaded.out_features, loaded.in_features
+    assert not loaded.int4pack and loaded.qweight.shape == (k // 8, n), "GPTQMODEL_ATEN as loaded"
+    assert loaded.scales_and_zeros.shape == (k // loaded.group_size, n, 2)
+    assert loaded.order.shape == (k,) and loaded.bias is None
+    from_loaded = internals.convert_to_int4pack(gptq_codes(loaded).int())
+    x = torch.randn(3, k).to(torch.bfloat16)
+    with torch.inference_mode():
+        theirs = q_proj(x)  # packs the module (transform("cpu"))
     packed = internals.aten_packed(q_proj)
     assert isinstance(packed, internals.AtenPacked), packed
-    n, k = packed.out_features, packed.in_features
-    assert packed.qweight.dtype == torch.uint8 and packed.qweight.shape == (n, k // 2)
-    assert packed.scales_and_zeros.shape == (k // packed.group_size, n, 2)
-    assert packed.order.shape == (k,) and packed.bias is None
-    x = torch.randn(3, k).to(torch.bfloat16)
-    ours = internals.int4pack_mm(x, packed.qweight, packed.group_size, packed.scales_and_zeros)
-    with torch.inference_mode():
-        theirs = q_proj(x)
-    assert torch.allclose(ours.float(), theirs.float(), atol=1e-2, rtol=1e-2), "GPTQMODEL_ATEN"
+    assert packed.int4pack and packed.qweight.dtype == torch.uint8
+    assert packed.qweight.shape == (n, k // 2), "GPTQMODEL_ATEN packed"
+    assert torch.equal(packed.scales_and_zeros, loaded.scales_and_zeros), "zero offsets changed"
+    assert torch.equal(packed.order.long(), loaded.order), "act-order's input order changed"
+    for weights in (packed.qweight, from_loaded):
+        ours = internals.int4pack_mm(x, weights, packed.group_size, packed.scales_and_zeros)
+        assert torch.allclose(ours.float(), theirs.float(), atol=1e-2, rtol=1e-2), "GPTQMODEL_ATEN"
     # and what it refuses, with its reason
     assert "not gptqmodel's TorchAtenLinear" in str(internals.aten_packed(torch.nn.Linear(4, 4)))
