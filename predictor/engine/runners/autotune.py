@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import native
-from predictor.engine.runners.int4_linear import Int4Linear, Kernel, head_candidates
+from predictor.engine.runners.head_linear import head_candidates
+from predictor.engine.runners.int4_linear import Int4Linear, Kernel
 from predictor.engine.runners.invariance import ROWWISE, row_invariant, rowwise
 
 logger = logging.getLogger(__name__)

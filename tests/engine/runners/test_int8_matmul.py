@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from predictor.engine.runners import autotune, native
-from predictor.engine.runners.int4_linear import head_candidates
+from predictor.engine.runners.head_linear import head_candidates
 from tests.support import native_cache
 
 ISAS = native.usable_isas()
