@@ -281,7 +281,11 @@ class ModelRunner:
         one thread (the step thread keeps the others), the layers switched one by one."""
         started = time.perf_counter()
         torch.set_num_threads(1)
-        head = autotune.complete(deferred)
+        try:
+            head = autotune.complete(deferred)
+        except Exception:  # e.g. out of memory: the layers keep serving on their lean plans
+            logger.exception("kernels: the deferred copies could not be built; serving without")
+            return
         if head is not None:
             self._head = head  # the step thread reads it at its next step
         logger.info("kernels: %d matmuls' copies built in %.1f s: every plan complete",
