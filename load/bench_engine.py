@@ -64,15 +64,12 @@ def null_main(args: argparse.Namespace) -> None:
         steps: list[float] = []
         allocator = BlockAllocator(1 << 16, 16)
         runner = NullRunner(len(tok), allocator.num_blocks, allocator.block_size, batch)
-        loop = StepLoop(
-            runner,
-            Scheduler(batch, batch),
-            frozenset(),
-            allocator,
-            max_step_tokens=max(4096, 2 * batch),
-            on_step=lambda rows, out=steps: out.append(time.perf_counter()),
-        )
-        engine = AsyncEngine(loop, tok, max_tokens_limit=4096, max_prompt_tokens=4096)
+        scheduler = Scheduler(batch, batch, allocator, max_step_tokens=max(4096, 2 * batch))
+        loop = StepLoop(runner, scheduler, frozenset())
+        engine = AsyncEngine(
+            loop, tok, max_tokens_limit=4096, max_prompt_tokens=4096,
+            on_step=lambda stats, out=steps: out.append(time.perf_counter()),
+        )  # fmt: skip
         params = SamplingParams(max_tokens=args.null_steps, ignore_eos=True)
 
         async def one(i: int, eng: AsyncEngine = engine, p: SamplingParams = params) -> int:

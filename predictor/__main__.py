@@ -71,20 +71,14 @@ def build_engine(
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc
-    scheduler = Scheduler(settings.max_batch_size, settings.max_waiting)
-    step_loop = StepLoop(
-        runner,
-        scheduler,
-        loaded.eos_ids,
+    scheduler = Scheduler(
+        settings.max_batch_size,
+        settings.max_waiting,
         allocator,
         max_step_tokens=settings.max_step_tokens,
-        on_step=metrics.observe_batch,
-        on_admit=metrics.observe_queue,
         prefix_caching=settings.prefix_caching,
-        on_prefix_cache=metrics.observe_prefix_cache,
-        on_preempt=metrics.observe_preemption,
-        on_prepared=on_prepared,
     )
+    step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
     # kv_cache_usage_perc); one integer read at each scrape, never blocking the step loop
@@ -102,6 +96,7 @@ def build_engine(
         stall_seconds=settings.stall_seconds,
         grammar_timeout=settings.grammar_compile_timeout,
         max_grammar_compiles=settings.max_grammar_compiles,
+        on_step=metrics.observe_step,
     )
 
 

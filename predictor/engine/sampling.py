@@ -32,7 +32,7 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
 
 
 class RowState(Protocol):
-    """What sampling needs to know of one row (the engine's Sequence has these fields)."""
+    """What sampling needs to know of one row (the engine's Request has these fields)."""
 
     @property
     def params(self) -> SamplingParams: ...

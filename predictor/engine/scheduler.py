@@ -1,110 +1,288 @@
-"""Who runs next: waiting requests join the batch within a row limit and the KV-cache blocks."""
+"""Who runs next, and how much of each: the scheduler owns every decision of a step.
+
+`schedule()` (vLLM v1's `Scheduler.schedule`) makes one `Schedule`: it admits waiting requests
+within the row limit and the KV-cache blocks (each takes its cached prefix and blocks for the rest
+of its prompt), gives each decoding row the block its next token needs (preempting the most
+recently admitted rows when the cache is dry), and spends the step's token budget: every decoding
+row one token first, then prompt chunks (chunked prefill: a long prompt never stalls the running
+streams for more than a chunk). `update()` books what a forward pass computed: the rows' cache
+positions, and the blocks that filled up offered to the prefix cache.
+
+Preemption by recompute (vLLM's): a preempted row gives back its blocks and goes back to the head
+of the queue with its output so far; readmitted, it prefills prompt + output (mostly from its own
+blocks, still cached unless evicted) and samples on from where it stopped.
+
+Thread-safety: adapters add requests from the event loop thread (`add`, `add_all`) and read
+`waiting` and `rows`; everything else runs on the step loop's thread.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
-from predictor.engine.batch import Sequence
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.request import Request
+from predictor.engine.step import StepRow
 from predictor.errors import Overloaded
 
 
-class Scheduler:
-    """First come, first served. Thread-safe: adapters add from the event loop thread, the step
-    loop takes from its own thread."""
+@dataclass
+class Schedule:
+    """One step's decisions: which requests are fed what, in row order (decode rows first)."""
 
-    def __init__(self, max_batch_size: int, max_waiting: int) -> None:
+    requests: list[Request] = field(default_factory=list)
+    rows: list[StepRow] = field(default_factory=list)
+    decode_rows: int = 0  # rows[:decode_rows] feed one token each, to a row with a cache
+    admitted: list[Request] = field(default_factory=list)  # first admissions (not resumed)
+    resumed: list[Request] = field(default_factory=list)  # readmitted after a preemption
+    # admitted with nothing to run (echo only, no prompt to score): their blocks already freed,
+    # the step loop finishes them
+    echoed: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[tuple[Request, StepRow]]:
+        return zip(self.requests, self.rows, strict=True)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(row.tokens) for row in self.rows)
+
+    def check(self) -> None:
+        """The order the runner relies on (runners/plan.py attends the leading one-token rows
+        as decode rows, one query each, and any row after a prompt chunk as a prefill):
+        the first `decode_rows` rows feed one token to a row with a cache, and return its
+        logits."""
+        for row in self.rows[: self.decode_rows]:
+            assert len(row.tokens) == 1 and row.start > 0 and row.logits and not row.all_logits
+
+    def drop(self, request: Request) -> None:
+        """Take a request out of this step (it failed before the forward pass)."""
+        for i, scheduled in enumerate(self.requests):
+            if scheduled is request:
+                del self.requests[i], self.rows[i]
+                if i < self.decode_rows:
+                    self.decode_rows -= 1
+                return
+
+
+class Scheduler:
+    """First come, first served, within `max_batch_size` rows, the KV cache and a per-step
+    budget of `max_step_tokens` fed tokens."""
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_waiting: int,
+        allocator: BlockAllocator | None = None,
+        max_step_tokens: int = 256,
+        prefix_caching: bool = True,
+    ) -> None:
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
-        self._waiting: deque[Sequence] = deque()
+        # the cache this scheduler spends (a hand-built one for the scheduler's own tests)
+        self.allocator = allocator if allocator is not None else BlockAllocator(256, 16)
+        self.max_step_tokens = max_step_tokens
+        self.prefix_caching = prefix_caching
+        self.running: list[Request] = []  # admitted, holding blocks, oldest first
+        self._waiting: deque[Request] = deque()
         self._lock = threading.Lock()
 
-    def add(self, seq: Sequence) -> None:
+    # -- the queue (any thread) -----------------------------------------------------------------
+    def add(self, request: Request) -> None:
         with self._lock:
             if len(self._waiting) >= self.max_waiting:
                 raise Overloaded(
                     f"server is busy: {len(self._waiting)} requests already waiting; retry later"
                 )
-            self._waiting.append(seq)
+            self._waiting.append(request)
 
-    def add_all(self, seqs: list[Sequence]) -> None:
-        """Queue every one of `seqs` or none (Overloaded): a request with several prompts is one
-        unit, so a refusal never leaves part of it running."""
+    def add_all(self, requests: list[Request]) -> None:
+        """Queue every one of `requests` or none (Overloaded): a request with several prompts
+        is one unit, so a refusal never leaves part of it running."""
         with self._lock:
-            if len(self._waiting) + len(seqs) > self.max_waiting:
+            if len(self._waiting) + len(requests) > self.max_waiting:
                 raise Overloaded(
                     f"server is busy: {len(self._waiting)} requests already waiting, "
-                    f"{len(seqs)} more do not fit; retry later"
+                    f"{len(requests)} more do not fit; retry later"
                 )
-            self._waiting.extend(seqs)
+            self._waiting.extend(requests)
 
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def drop_aborted(self) -> list[Sequence]:
+    def rows(self) -> int:
+        """Requests holding a row now (any thread: one read of a list's length)."""
+        return len(self.running)
+
+    def drop_aborted(self) -> list[Request]:
         """Remove and return waiting requests that were aborted before they got a row."""
         with self._lock:
-            gone = [s for s in self._waiting if s.aborted]
+            gone = [r for r in self._waiting if r.aborted]
             if gone:
-                self._waiting = deque(s for s in self._waiting if not s.aborted)
+                self._waiting = deque(r for r in self._waiting if not r.aborted)
         return gone
 
-    def drop_expired(self, now: float) -> list[Sequence]:
+    def drop_expired(self, now: float) -> list[Request]:
         """Remove and return waiting requests whose deadline passed before they got a row."""
         with self._lock:
-            gone = [s for s in self._waiting if s.deadline is not None and now >= s.deadline]
+            gone = [r for r in self._waiting if r.deadline is not None and now >= r.deadline]
             if gone:
-                self._waiting = deque(s for s in self._waiting if s not in gone)
+                self._waiting = deque(r for r in self._waiting if r not in gone)
         return gone
 
-    def requeue(self, seq: Sequence) -> None:
-        """Put a preempted row back at the head of the queue (past the waiting limit: it was
-        admitted once); preempting newest first and requeueing each at the head keeps the
-        older ones first."""
-        with self._lock:
-            self._waiting.appendleft(seq)
-
-    def admit(
-        self, running_rows: int, cache: BlockAllocator, prefix_caching: bool = True
-    ) -> list[Sequence]:
-        """Take waiting requests, oldest first, while rows and KV-cache blocks allow.
-
-        A request takes the blocks of its longest cached prefix (never its last token: that
-        one's logits are needed) and new blocks for the rest of its prompt, when that leaves a
-        small headroom for the running rows to grow into (none needed by a lone request). A
-        request whose prompt must be scored (prompt_logprobs) takes no cached prefix, as vLLM
-        does: every position it scores is computed. Its
-        output later grows one block at a time; the step loop preempts when none is left.
-        """
-        admitted: list[Sequence] = []
-        size = cache.block_size
-        headroom = max(1, cache.num_blocks // 100)  # vLLM's watermark: 1% of the blocks
-        with self._lock:
-            while self._waiting and running_rows + len(admitted) < self.max_batch_size:
-                seq = self._waiting[0]
-                total = seq.total_tokens
-                hit: list[int] = []
-                if prefix_caching and not seq.scoring:  # scored positions are computed
-                    hit = cache.match(seq.block_keys((total - 1) // size, size))
-                new = blocks_for(total, size) - len(hit)
-                spare = headroom if running_rows + len(admitted) else 0
-                if cache.available - cache.unheld(hit) < new + spare:
-                    break
-                cache.share(hit)
-                # room to grow adjacent: the output's blocks, up to 16 of them
-                grow = blocks_for(min(seq.params.max_tokens, 16 * size), size)
-                seq.blocks = hit + cache.allocate(new, claim=new + grow)
-                seq.cached = len(hit) * size
-                seq.registered = len(hit)
-                if not seq.preemptions:
-                    seq.cached_prompt_tokens = seq.cached
-                admitted.append(self._waiting.popleft())
-        return admitted
-
-    def drain(self) -> list[Sequence]:
+    def drain(self) -> list[Request]:
         """Remove and return every waiting request."""
         with self._lock:
             gone = list(self._waiting)
             self._waiting.clear()
         return gone
+
+    # -- the step (the step loop's thread) ---------------------------------------------------
+    def schedule(self) -> Schedule:
+        """Admission, growth and preemption, then each running row's tokens for this step."""
+        schedule = Schedule()
+        for request in self.admit():
+            if request.echo_only and not request.scoring and not request.preemptions:
+                schedule.echoed.append(request)
+                self.free(request)
+                continue
+            # a resumed row's generator, queue time and cache query stand
+            (schedule.resumed if request.preemptions else schedule.admitted).append(request)
+            self.running.append(request)
+        self._grow(schedule)
+        self._plan(schedule)
+        schedule.check()
+        return schedule
+
+    def admit(self) -> list[Request]:
+        """Take waiting requests, oldest first, while rows and KV-cache blocks allow (they are
+        not running yet: `schedule` adds them).
+
+        A request takes the blocks of its longest cached prefix (never its last token: that
+        one's logits are needed) and new blocks for the rest of its prompt, when that leaves a
+        small headroom for the running rows to grow into (none needed by a lone request). A
+        request whose prompt must be scored (prompt_logprobs) takes no cached prefix, as vLLM
+        does: every position it scores is computed. Its output later grows one block at a
+        time; `schedule` preempts when none is left.
+        """
+        admitted: list[Request] = []
+        cache = self.allocator
+        size = cache.block_size
+        headroom = max(1, cache.num_blocks // 100)  # vLLM's watermark: 1% of the blocks
+        running = len(self.running)
+        with self._lock:
+            while self._waiting and running + len(admitted) < self.max_batch_size:
+                request = self._waiting[0]
+                total = request.total_tokens
+                hit: list[int] = []
+                if self.prefix_caching and not request.scoring:  # scored positions are computed
+                    hit = cache.match(request.block_keys((total - 1) // size, size))
+                new = blocks_for(total, size) - len(hit)
+                spare = headroom if running + len(admitted) else 0
+                if cache.available - cache.unheld(hit) < new + spare:
+                    break
+                cache.share(hit)
+                # room to grow adjacent: the output's blocks, up to 16 of them
+                grow = blocks_for(min(request.params.max_tokens, 16 * size), size)
+                request.blocks = hit + cache.allocate(new, claim=new + grow)
+                request.cached = len(hit) * size
+                request.registered = len(hit)
+                if not request.preemptions:
+                    request.cached_prompt_tokens = request.cached
+                admitted.append(self._waiting.popleft())
+        return admitted
+
+    def _grow(self, schedule: Schedule) -> None:
+        """Give each decoding row, oldest first, the block its next token needs; when none is
+        available, preempt the most recently admitted row (the row itself, if it is that)."""
+        rows = self.running
+        size = self.allocator.block_size
+        i = 0
+        while i < len(rows):
+            request = rows[i]
+            if request.cached < len(request.blocks) * size:  # prompts got theirs at admission
+                i += 1
+                continue
+            while not self.allocator.available and rows[-1] is not request:
+                self._preempt(rows[-1], schedule)
+            if not self.allocator.available:
+                self._preempt(request, schedule)
+                continue
+            after = request.blocks[-1] if request.blocks else None
+            request.blocks.extend(self.allocator.allocate(1, after))
+            i += 1
+
+    def _preempt(self, request: Request, schedule: Schedule) -> None:
+        """Take the row out of the batch, free its blocks and queue it to be recomputed at the
+        head of the queue (past the waiting limit: it was admitted once); preempting newest
+        first and requeueing each at the head keeps the older ones first."""
+        self.running.remove(request)
+        self.free(request)
+        request.cached = request.registered = 0
+        request.preemptions += 1
+        schedule.preempted.append(request)
+        with self._lock:
+            self._waiting.appendleft(request)
+
+    def _plan(self, schedule: Schedule) -> None:
+        """Every decoding row one token, then prompt chunks within the budget."""
+        budget = self.max_step_tokens
+        prefilling = []
+        for request in self.running:
+            if request.finish_reason is not None:
+                continue
+            if request.prefilling:
+                prefilling.append(request)
+                continue
+            schedule.requests.append(request)
+            schedule.rows.append(
+                StepRow(request.blocks, request.cached, request.output_ids[-1:], logits=True)
+            )
+            budget -= 1
+        schedule.decode_rows = len(schedule.rows)
+        for request in prefilling:
+            if budget <= 0 and schedule.rows:
+                break
+            total = request.total_tokens
+            end = min(total, request.cached + max(budget, 1))
+            chunk = request.tokens(request.cached, end)
+            budget -= len(chunk)
+            sample_next = end == total and not request.echo_only
+            schedule.requests.append(request)
+            schedule.rows.append(
+                StepRow(request.blocks, request.cached, chunk, sample_next, request.scoring)
+            )
+
+    def update(self, schedule: Schedule) -> None:
+        """Book a forward pass of `schedule`: the rows' cache now holds what they were fed;
+        the blocks that filled up are offered to the prefix cache."""
+        for request, row in schedule:
+            request.cached += len(row.tokens)
+            if self.prefix_caching:
+                self._register(request)
+
+    def _register(self, request: Request) -> None:
+        """Offer the row's blocks that are full and computed to the prefix cache."""
+        size = self.allocator.block_size
+        full = request.cached // size
+        if request.registered < full:
+            keys = request.block_keys(full, size)
+            for i in range(request.registered, full):
+                self.allocator.register(request.blocks[i], keys[i])
+            request.registered = full
+
+    def remove_finished(self) -> list[Request]:
+        """Drop finished rows, their blocks freed; return them."""
+        gone = [r for r in self.running if r.finish_reason is not None]
+        if gone:
+            self.running = [r for r in self.running if r.finish_reason is None]
+            for request in gone:
+                self.free(request)
+        return gone
+
+    def free(self, request: Request) -> None:
+        self.allocator.free(request.blocks)
+        request.blocks = []

@@ -41,3 +41,19 @@ class Runner(Protocol):
         """logits: [sum of the rows' logit_count, vocab], in the order of `rows` (a row with
         all_logits: one per token it was fed, in position order)."""
         ...
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one step did, handed to the step loop's listener after it (on the loop's thread):
+    metrics and the asyncio front read a step only through this."""
+
+    running: int  # rows holding a place in the batch after the step
+    waiting: int  # requests in the queue after the step
+    sampled: int = 0  # rows that got a token
+    fed: int = 0  # tokens fed to the forward pass
+    queue_waits: tuple[float, ...] = ()  # seconds each first-admitted request waited
+    # (prompt tokens, of them found in the prefix cache) of each first admission, when the
+    # prefix cache is on
+    prefix_queries: tuple[tuple[int, int], ...] = ()
+    preemptions: int = 0

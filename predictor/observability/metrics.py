@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from predictor.observability.statistics import InferenceStatistics
 from predictor.observability.tenants import NO_TENANT
+
+if TYPE_CHECKING:  # annotations only
+    from predictor.engine.step import StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -202,9 +206,20 @@ class Metrics:
         if self.vllm_cache_config is not None:
             self.vllm_cache_config.labels(*values).set(1)
 
+    def observe_step(self, stats: StepStats) -> None:
+        """Called after each engine step (on the step loop's thread) with what it did."""
+        if stats.sampled:
+            self.observe_batch(stats.sampled)
+        for seconds in stats.queue_waits:
+            self.observe_queue(seconds)
+        for queried, hits in stats.prefix_queries:
+            self.observe_prefix_cache(queried, hits)
+        for _ in range(stats.preemptions):
+            self.observe_preemption()
+
     def observe_prefix_cache(self, queried: int, hits: int) -> None:
-        """Called by the step loop at a request's first admission: its prompt tokens, and how
-        many of them the prefix cache held."""
+        """At a request's first admission: its prompt tokens, and how many of them the prefix
+        cache held."""
         self._count(self.prefix_cache_queries, "predictor_prefix_cache_queries", queried)
         self._count(self.prefix_cache_hits, "predictor_prefix_cache_hits", hits)
 
@@ -224,11 +239,11 @@ class Metrics:
             alias.labels(self.model_name).set_function(read)
 
     def observe_batch(self, rows: int) -> None:
-        """Called by the step loop after each step that produced tokens, with their number."""
+        """After each step that produced tokens, with their number."""
         self.batch_size.labels(self.model_name).observe(rows)
         self.statistics.record_execution()
 
     def observe_queue(self, seconds: float) -> None:
-        """Called by the step loop when a request gets its row."""
+        """When a request gets its row: how long it waited."""
         self.queue_time.labels(self.model_name).observe(seconds)
         self.statistics.record_queue(seconds)

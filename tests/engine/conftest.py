@@ -10,12 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from predictor.engine.batch import Sequence
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.grammar import Grammars
 from predictor.engine.kv_cache import BlockAllocator
+from predictor.engine.request import Request
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.scheduler import Scheduler
+from predictor.engine.step import StepStats
 from predictor.engine.step_loop import StepLoop
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams, TokenEvent
@@ -83,21 +84,22 @@ class Collected:
 
 def make_sequence(
     tokenizer: Any, prompt_ids: list[int], params: SamplingParams, request_id: str = "r"
-) -> tuple[Sequence, Collected]:
+) -> tuple[Request, Collected]:
     sink = Collected()
-    seq = Sequence(
+    seq = Request(
         request_id=request_id,
         prompt_ids=prompt_ids,
         params=params,
         detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids, params.stop),
         sink=sink,
+        echo_only=params.max_tokens == 0,  # as the input processor makes it
     )
     return seq, sink
 
 
 def drive(
     loop: StepLoop,
-    arrivals: dict[int, list[Sequence]],
+    arrivals: dict[int, list[Request]],
     sinks: list[Collected],
     max_steps: int = 500,
     each_step: Callable[[int], None] | None = None,
@@ -114,10 +116,25 @@ def drive(
     raise AssertionError("requests did not finish")
 
 
+def preemptions(loop: StepLoop) -> list[int]:
+    """A list that gets a 1 for each preemption of the loop's later steps (as a step listener
+    reads them from the stats `step` returns)."""
+    seen: list[int] = []
+    step = loop.step
+
+    def counted() -> StepStats:
+        stats = step()
+        seen.extend([1] * stats.preemptions)
+        return stats
+
+    loop.step = counted  # type: ignore[method-assign]
+    return seen
+
+
 def new_loop(
     runner: Any, eos_ids: frozenset[int], max_batch_size: int = 8, max_step_tokens: int = 256
 ) -> StepLoop:
     """A step loop over the runner, with a block allocator the size of the runner's cache."""
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
-    scheduler = Scheduler(max_batch_size, 64)
-    return StepLoop(runner, scheduler, eos_ids, allocator, max_step_tokens=max_step_tokens)
+    scheduler = Scheduler(max_batch_size, 64, allocator, max_step_tokens=max_step_tokens)
+    return StepLoop(runner, scheduler, eos_ids)

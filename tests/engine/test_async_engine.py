@@ -52,7 +52,7 @@ async def test_concurrent_requests_match_generate(tiny_dense: Tiny) -> None:
             req = GenerateRequest(f"c{i}", text, SamplingParams(max_tokens=10 + i))
             async for event in engine.generate(req):
                 ids.extend(event.token_ids)
-            return engine.encode_prompt(req), ids
+            return engine.inputs.encode_prompt(req), ids
 
         results = await asyncio.gather(*(one(i, t) for i, t in enumerate(texts)))
     for i, (prompt_ids, ids) in enumerate(results):

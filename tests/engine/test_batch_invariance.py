@@ -15,7 +15,7 @@ from predictor.engine.runners.invariance import row_invariant
 from predictor.engine.runners.model import ModelRunner
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams
-from tests.engine.conftest import Collected, drive, make_sequence, new_loop
+from tests.engine.conftest import Collected, drive, make_sequence, new_loop, preemptions
 from tests.support import tune_cache, worker_cores
 
 NEW = 20
@@ -91,10 +91,9 @@ def test_tokens_are_the_same_alone_and_in_any_batch(bf16: LoadedModel, seeded: b
 def test_a_preempted_stream_equals_its_uninterrupted_run(bf16: LoadedModel) -> None:
     batch = prompts(bf16, 6, seed=2)
     expected = alone(bf16, batch, seeded=True)
-    preempted: list[int] = []
     loop = new_loop(runner(bf16, num_blocks=14), frozenset(), max_batch_size=6,
                     max_step_tokens=32)  # fmt: skip
-    loop._on_preempt = lambda: preempted.append(1)
+    preempted = preemptions(loop)
     assert run(loop, bf16, batch, seeded=True) == expected
     assert preempted  # the cache was too small for all six: some were recomputed
 

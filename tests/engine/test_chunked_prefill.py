@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from predictor.engine.batch import Sequence
 from predictor.engine.detokenizer import IncrementalDetokenizer
+from predictor.engine.request import Request
 from predictor.types import SamplingParams, TokenEvent
 from tests.engine.conftest import Tiny, new_loop
 
@@ -40,12 +40,12 @@ def run_with_long_prompt(tiny: Tiny, max_step_tokens: int) -> tuple[float, float
     runner.threads = 1  # one compute thread: no OpenMP spin-waits against the test's own thread
     loop = new_loop(runner, frozenset(), max_batch_size=8, max_step_tokens=max_step_tokens)
 
-    def request(n: int, max_tokens: int, rid: str) -> tuple[Sequence, Clocked]:
+    def request(n: int, max_tokens: int, rid: str) -> tuple[Request, Clocked]:
         ids = [rng.randrange(100, vocab) for _ in range(n)]
         sink = Clocked()
         params = SamplingParams(max_tokens=max_tokens)
         detok = IncrementalDetokenizer(tiny.tokenizer, ids, ())
-        return Sequence(rid, ids, params, detok, sink), sink
+        return Request(rid, ids, params, detok, sink), sink
 
     streams = [request(8, 300, f"s{i}") for i in range(4)]
     loop.start()

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from predictor.engine.async_engine import AsyncEngine
-from predictor.engine.batch import Sequence as EngineSequence
 from predictor.engine.client import complete, complete_all
+from predictor.engine.request import Request
 from predictor.engine.scheduler import Scheduler
 from predictor.errors import GenerationFailed, InvalidRequest, Overloaded
 from predictor.types import FinishReason, GenerateRequest, SamplingParams, TokenEvent, Usage
@@ -27,11 +27,11 @@ LONG = 500  # far more tokens than any of these tests waits for
 class RecordingScheduler(Scheduler):
     """The real scheduler, remembering every request it was given (to read its end state)."""
 
-    def __init__(self, max_batch_size: int, max_waiting: int) -> None:
-        super().__init__(max_batch_size, max_waiting)
-        self.seen: dict[str, EngineSequence] = {}
+    def __init__(self, max_batch_size: int, max_waiting: int, allocator: Any) -> None:
+        super().__init__(max_batch_size, max_waiting, allocator)
+        self.seen: dict[str, Request] = {}
 
-    def add_all(self, seqs: list[EngineSequence]) -> None:
+    def add_all(self, seqs: list[Request]) -> None:
         super().add_all(seqs)
         self.seen.update((s.request_id, s) for s in seqs)
 
@@ -46,7 +46,9 @@ def engine_on(
     **options: Any,
 ) -> Iterator[tuple[AsyncEngine, RecordingScheduler]]:
     loop = new_loop(runner or tiny.runner(), frozenset(), max_batch_size=max_batch_size)
-    loop.scheduler = scheduler = RecordingScheduler(max_batch_size, max_waiting)
+    loop.scheduler = scheduler = RecordingScheduler(
+        max_batch_size, max_waiting, loop.scheduler.allocator
+    )
     engine = AsyncEngine(
         loop, tokenizer or tiny.tokenizer, max_tokens_limit=LONG, max_prompt_tokens=100, **options
     )
@@ -274,13 +276,19 @@ async def test_liveness_fails_while_a_step_hangs_and_when_the_thread_dies(
 # -- point 8: a failure while admitting leaves the running rows intact ---------------------------
 
 
-def test_admission_failure_fails_that_request_only(tiny_dense: Tiny) -> None:
-    def on_admit(waited: float) -> None:
-        if admitting[0] == "bad":
-            raise RuntimeError("metrics backend down")
+def test_admission_failure_fails_that_request_only(
+    tiny_dense: Tiny, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from predictor.engine import step_loop
 
+    def make_generator(seed: int | None, device: Any) -> Any:
+        if admitting[0] == "bad":
+            raise RuntimeError("no generator for this device")
+        return real(seed, device)
+
+    real = step_loop.make_generator
+    monkeypatch.setattr(step_loop, "make_generator", make_generator)
     loop = new_loop(tiny_dense.runner(), frozenset(), max_batch_size=4)
-    loop._on_admit = on_admit
     admitting = [""]
     good, good_sink = make_sequence(tiny_dense.tokenizer, [5, 6, 7], SamplingParams(max_tokens=8))
     loop.scheduler.add(good)
@@ -293,12 +301,12 @@ def test_admission_failure_fails_that_request_only(tiny_dense: Tiny) -> None:
     admitting[0] = ""
     assert bad_sink.finish_reason is FinishReason.ERROR
     assert bad_sink.events[-1].error == "the request could not be admitted"  # no exception text
-    assert loop.batch.rows == [good]
-    assert loop.allocator.used == len(good.blocks)
+    assert loop.scheduler.running == [good]
+    assert loop.scheduler.allocator.used == len(good.blocks)
     while not good_sink.done:
         loop.step()
     assert good_sink.finish_reason is FinishReason.LENGTH and len(good.output_ids) == 8
-    assert loop.allocator.used == 0
+    assert loop.scheduler.allocator.used == 0
 
 
 async def test_a_request_being_prefilled_counts_as_in_flight(tiny_dense: Tiny) -> None:

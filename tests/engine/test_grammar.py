@@ -131,7 +131,7 @@ async def test_grammars_are_cached_and_compiled_off_the_step_loop(tiny_dense: Ti
         params = schema_params(SCHEMAS[0], max_tokens=60)
         for k in range(3):
             await complete(engine.generate(GenerateRequest(f"c{k}", "x", params)))
-        assert engine.grammars().compiled == 1
+        assert engine.inputs.grammars().compiled == 1
 
 
 @pytest.mark.parametrize(

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from predictor.engine.batch import Sequence
+from predictor.engine.request import Request
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.step import StepRow
 from predictor.engine.step_loop import StepLoop
 from predictor.types import FinishReason, SamplingParams
-from tests.engine.conftest import Collected, Tiny, drive, make_sequence, new_loop
+from tests.engine.conftest import Collected, Tiny, drive, make_sequence, new_loop, preemptions
 from tests.engine.test_step_loop import NO_EOS, reference_greedy
 from tests.support import tune_cache
 
@@ -37,7 +37,7 @@ class Watched:
         self.inner.bind_thread()
 
     def forward(self, rows: Rows[StepRow]) -> torch.Tensor:
-        allocator = self.loop[0].allocator
+        allocator = self.loop[0].scheduler.allocator
         for index, row in enumerate(rows):
             end = row.start + len(row.tokens)
             written = {row.blocks[p // self.block_size] for p in range(row.start, end)}
@@ -56,15 +56,15 @@ def watched_loop(tiny: Tiny, num_blocks: int, block_size: int, **kwargs: Any) ->
     return loop
 
 
-def audited(loop: StepLoop, arrivals: dict[int, list[Sequence]], sinks: list[Collected]) -> int:
+def audited(loop: StepLoop, arrivals: dict[int, list[Request]], sinks: list[Collected]) -> int:
     """drive(), auditing the books before each step (so after the previous one)."""
 
     def audit(_: int) -> None:
-        loop.allocator.audit(seq.blocks for seq in loop.batch.rows)
+        loop.scheduler.allocator.audit(seq.blocks for seq in loop.scheduler.running)
 
     steps = drive(loop, arrivals, sinks, max_steps=2000, each_step=audit)
-    loop.allocator.audit(seq.blocks for seq in loop.batch.rows)
-    assert loop.allocator.used == 0
+    loop.scheduler.allocator.audit(seq.blocks for seq in loop.scheduler.running)
+    assert loop.scheduler.allocator.used == 0
     return steps
 
 
@@ -75,7 +75,7 @@ def ids(tiny: Tiny, n: int, seed: int) -> list[int]:
 
 def request(
     tiny: Tiny, prompt: list[int], n: int, rid: str, salt: str | None = None
-) -> tuple[Sequence, Collected]:
+) -> tuple[Request, Collected]:
     seq, sink = make_sequence(tiny.tokenizer, prompt, SamplingParams(max_tokens=n), rid)
     seq.cache_salt = salt
     return seq, sink
@@ -92,8 +92,8 @@ def test_a_cache_hit_gives_the_cold_runs_greedy_tokens_with_partial_blocks(
                doc + ids(tiny_dense, 5, 4)]  # fmt: skip
     loop = watched_loop(tiny_dense, 64, 4, max_batch_size=4, max_step_tokens=16)
     sinks: list[Collected] = []
-    seqs: list[Sequence] = []
-    arrivals: dict[int, list[Sequence]] = {}
+    seqs: list[Request] = []
+    arrivals: dict[int, list[Request]] = {}
     for i, p in enumerate(prompts):
         seq, sink = request(tiny_dense, p, 6, f"p{i}")
         arrivals.setdefault(0 if i == 0 else 12 + i, []).append(seq)
@@ -117,13 +117,13 @@ def test_a_cache_hit_gives_the_cold_runs_greedy_tokens_with_partial_blocks(
 
 def test_caching_off_shares_nothing(tiny_dense: Tiny) -> None:
     loop = watched_loop(tiny_dense, 64, 4)
-    loop.prefix_caching = False
+    loop.scheduler.prefix_caching = False
     doc = ids(tiny_dense, 30, 4)
     a, sa = request(tiny_dense, doc, 3, "a")
     b, sb = request(tiny_dense, doc, 3, "b")
     audited(loop, {0: [a], 8: [b]}, [sa, sb])
     assert a.cached_prompt_tokens == b.cached_prompt_tokens == 0
-    assert loop.allocator.cached == 0 and sb.token_ids == sa.token_ids
+    assert loop.scheduler.allocator.cached == 0 and sb.token_ids == sa.token_ids
 
 
 def test_salts_never_share(tiny_dense: Tiny) -> None:
@@ -142,7 +142,7 @@ def test_salts_never_share(tiny_dense: Tiny) -> None:
     blocks: dict[str | None, set[int]] = {salt: set() for _, salt in runs}
     for seq in seqs:
         for key in seq.keys:
-            block = loop.allocator._by_key.get(key)
+            block = loop.scheduler.allocator._by_key.get(key)
             if block is not None:
                 blocks[seq.cache_salt].add(block)
     assert not (blocks["tenant-1"] & blocks["tenant-2"]) and not (blocks["tenant-1"] & blocks[None])
@@ -174,9 +174,8 @@ def test_eviction_under_pressure_is_least_recently_used(tiny_dense: Tiny) -> Non
 def test_preemption_never_repeats_loses_or_reorders_a_token(tiny_dense: Tiny) -> None:
     """Six rows growing in a 30-block cache (4 tokens a block) cannot all fit: the newest are
     preempted, recomputed and resumed; every stream equals generate's, token for token."""
-    preempted: list[int] = []
     loop = watched_loop(tiny_dense, 30, 4, max_batch_size=6, max_step_tokens=64)
-    loop._on_preempt = lambda: preempted.append(1)
+    preempted = preemptions(loop)
     prompts = [ids(tiny_dense, n, 20 + n) for n in (5, 9, 3, 12, 7, 6)]
     seqs, sinks = [], []
     for i, p in enumerate(prompts):
@@ -204,15 +203,15 @@ def test_cancelling_a_row_with_shared_blocks_frees_only_its_references(tiny_dens
         if step == 8:
             loop.scheduler.add(b)
         loop.step()
-        loop.allocator.audit(seq.blocks for seq in loop.batch.rows)
+        loop.scheduler.allocator.audit(seq.blocks for seq in loop.scheduler.running)
     shared = set(a.blocks) & set(b.blocks)
     assert len(shared) == 6 and b.cached_prompt_tokens == 24
     b.aborted = True
     loop.step()
-    loop.allocator.audit(seq.blocks for seq in loop.batch.rows)
-    assert sb.finish_reason is FinishReason.CANCELLED and loop.batch.rows == [a]
-    assert all(loop.allocator._refs[block] == 1 for block in shared)
-    assert loop.allocator.used == len(a.blocks)
+    loop.scheduler.allocator.audit(seq.blocks for seq in loop.scheduler.running)
+    assert sb.finish_reason is FinishReason.CANCELLED and loop.scheduler.running == [a]
+    assert all(loop.scheduler.allocator._refs[block] == 1 for block in shared)
+    assert loop.scheduler.allocator.used == len(a.blocks)
     audited(loop, {}, [sa])
     assert sa.token_ids == reference_greedy(tiny_dense, doc + [101, 102], 30)
 
@@ -225,7 +224,7 @@ def test_max_tokens_4096_does_not_hold_the_cache() -> None:
 
     allocator = BlockAllocator(32768 // 16, 16)
     runner = NullRunner(1000, allocator.num_blocks)
-    loop = StepLoop(runner, Scheduler(32, 64), frozenset(), allocator, max_step_tokens=2048)
+    loop = StepLoop(runner, Scheduler(32, 64, allocator, max_step_tokens=2048), frozenset())
 
     class Silent:
         def decode(self, ids: Any, skip_special_tokens: bool = True) -> str:
@@ -239,8 +238,8 @@ def test_max_tokens_4096_does_not_hold_the_cache() -> None:
         loop.scheduler.add(seq)
     for _ in range(50):
         loop.step()
-        allocator.audit(seq.blocks for seq in loop.batch.rows)
-    assert len(loop.batch) == 32 and loop.scheduler.waiting() == 0
+        allocator.audit(seq.blocks for seq in loop.scheduler.running)
+    assert len(loop.scheduler.running) == 32 and loop.scheduler.waiting() == 0
     assert all(len(seq.output_ids) == 50 for seq in seqs)
     assert allocator.used == 32 * 7  # 110 tokens each: 7 blocks, of 2048
 
@@ -263,7 +262,7 @@ def test_hits_on_the_native_path_give_the_cold_tokens(tiny_gptq: Any) -> None:
         )  # fmt: skip
         assert runner._native is not None
         loop = new_loop(runner, NO_EOS, max_batch_size=4, max_step_tokens=16)
-        loop.prefix_caching = caching
+        loop.scheduler.prefix_caching = caching
         sinks, seqs, arrivals = [], [], {}
         for i, p in enumerate(prompts):
             seq, sink = make_sequence(tokenizer, p, SamplingParams(max_tokens=6), f"n{i}")

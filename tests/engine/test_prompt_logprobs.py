@@ -12,7 +12,7 @@ import torch
 
 from predictor.engine.runners.model import ModelRunner
 from predictor.types import FinishReason, PromptEcho, SamplingParams
-from tests.engine.conftest import Tiny, drive, make_sequence, new_loop
+from tests.engine.conftest import Tiny, drive, make_sequence, new_loop, preemptions
 from tests.support import tune_cache
 
 PROMPT = list(range(5, 75))  # 70 tokens: several chunks of 16
@@ -98,8 +98,7 @@ def test_preempted_while_scoring_keeps_every_score_once(tiny_dense: Tiny) -> Non
     other, other_sink = make_sequence(
         tiny_dense.tokenizer, PROMPT[:20], SamplingParams(max_tokens=60)
     )
-    preempted = []
-    loop._on_preempt = lambda: preempted.append(1)
+    preempted = preemptions(loop)
     drive(loop, {0: [other, scored]}, [sink, other_sink])
     assert preempted  # 8 blocks of 16 hold 128 tokens: the two rows need 180
     check(sink.events[0].prompt, PROMPT[:40], tiny_dense.model, 1, 1e-4)

@@ -3,7 +3,7 @@ import pytest
 from predictor.engine.kv_cache import BlockAllocator
 from predictor.engine.scheduler import Scheduler
 from predictor.errors import Overloaded
-from predictor.types import SamplingParams
+from predictor.types import FinishReason, SamplingParams
 from tests.engine.conftest import make_sequence
 
 
@@ -19,28 +19,31 @@ def seq(prompt_len: int, max_tokens: int, rid: str = "r", deadline: float | None
 
 
 def test_admits_in_order_by_prompt_blocks_with_headroom() -> None:
-    s = Scheduler(max_batch_size=3, max_waiting=10)
     cache = BlockAllocator(num_blocks=10, block_size=10)  # 100 tokens, headroom 1 block
+    s = Scheduler(max_batch_size=3, max_waiting=10, allocator=cache)
     a, b, c, d = seq(10, 90), seq(10, 90), seq(75, 10), seq(1, 1)
     for x in (a, b, c, d):
         s.add(x)
     # a and b take their prompt's block each (max_tokens reserves nothing); c needs 8 of the
     # 8 left plus the headroom: c waits, and d behind it (FCFS)
-    assert s.admit(0, cache) == [a, b]
+    assert s.schedule().admitted == [a, b]
     assert cache.used == 2 and len(a.blocks) == 1 and len(b.blocks) == 1
-    assert s.admit(2, cache) == []
-    cache.free(a.blocks)
-    assert s.admit(1, cache) == [c]  # 8 + 1 of 9; d would leave no headroom
+    assert s.schedule().admitted == []
+    a.finish_reason = FinishReason.LENGTH
+    s.remove_finished()
+    assert s.schedule().admitted == [c]  # 8 + 1 of 9; d would leave no headroom
     assert cache.used == 9 and len(c.blocks) == 8
-    assert s.admit(0, BlockAllocator(1, 10)) == [d]  # a lone request needs no headroom
+    s.running.clear()
+    s.allocator = BlockAllocator(1, 10)
+    assert s.schedule().admitted == [d]  # a lone request needs no headroom
 
 
 def test_a_prefix_hit_takes_the_cached_blocks_and_never_the_last_token() -> None:
-    s = Scheduler(max_batch_size=4, max_waiting=10)
     cache = BlockAllocator(num_blocks=20, block_size=4)
+    s = Scheduler(max_batch_size=4, max_waiting=10, allocator=cache)
     first = seq(12, 4, "first")
     s.add(first)
-    assert s.admit(0, cache) == [first]
+    assert s.admit() == [first]
     for i, key in enumerate(first.block_keys(3, 4)):  # as the step loop does once computed
         cache.register(first.blocks[i], key)
     cache.free(first.blocks)  # finished: its blocks stay cached
@@ -48,7 +51,7 @@ def test_a_prefix_hit_takes_the_cached_blocks_and_never_the_last_token() -> None
     same, longer = seq(12, 4, "same"), seq(14, 4, "longer")
     s.add(same)
     s.add(longer)
-    assert s.admit(0, cache) == [same, longer]
+    assert s.admit() == [same, longer]
     assert same.blocks[:2] == first.blocks[:2] and same.blocks[2] != first.blocks[2]
     assert same.cached == 8  # 12 tokens: the last block is computed for the last token
     assert longer.blocks[:3] == first.blocks and longer.cached == 12
@@ -57,10 +60,12 @@ def test_a_prefix_hit_takes_the_cached_blocks_and_never_the_last_token() -> None
 
 
 def test_row_limit() -> None:
-    s = Scheduler(max_batch_size=2, max_waiting=10)
+    s = Scheduler(max_batch_size=2, max_waiting=10, allocator=BlockAllocator(100, 16))
     for _ in range(3):
         s.add(seq(1, 1))
-    assert len(s.admit(1, BlockAllocator(100, 16))) == 1
+    assert len(s.schedule().admitted) == 2
+    s.add(seq(1, 1))
+    assert s.schedule().admitted == []
     assert s.waiting() == 2
 
 
@@ -101,3 +106,34 @@ def test_allocator_counts_blocks_and_reuses_freed_ones() -> None:
     with pytest.raises(MemoryError):
         cache.allocate(2)
     assert cache.available == 1
+
+
+def test_a_schedule_feeds_decode_rows_first_then_prompt_chunks_within_the_budget() -> None:
+    cache = BlockAllocator(num_blocks=64, block_size=4)
+    s = Scheduler(4, 10, cache, max_step_tokens=8, prefix_caching=False)
+    old, new = seq(6, 5, "old"), seq(20, 5, "new")
+    s.add(old)
+    first = s.schedule()
+    assert first.admitted == [old] and first.decode_rows == 0
+    assert [len(row.tokens) for row in first.rows] == [6] and first.rows[0].logits
+    s.update(first)
+    old.output_ids.append(7)  # as the step loop samples it
+    s.add(new)
+    second = s.schedule()
+    # the decoding row's one token first, then 7 of the new prompt's 20 (budget 8)
+    assert second.requests == [old, new] and second.decode_rows == 1
+    assert [(row.start, len(row.tokens)) for row in second.rows] == [(6, 1), (0, 7)]
+    assert not second.rows[1].logits  # a chunk short of the prompt's end samples nothing
+    s.update(second)
+    assert (old.cached, new.cached) == (7, 7)
+
+
+def test_an_echo_only_request_is_admitted_and_released_with_nothing_to_run() -> None:
+    cache = BlockAllocator(num_blocks=16, block_size=4)
+    s = Scheduler(max_batch_size=4, max_waiting=10, allocator=cache)
+    echo = seq(9, 0, "echo")
+    echo.echo_only = True
+    s.add(echo)
+    schedule = s.schedule()
+    assert schedule.echoed == [echo] and not schedule.rows and not s.running
+    assert cache.used == 0

@@ -51,7 +51,7 @@ def test_greedy_rows_equal_generate_under_staggered_arrivals(tiny_dense: Tiny) -
         assert sink.events[-1].usage is not None
         assert sink.events[-1].usage.generated_tokens == n
         assert sink.events[-1].usage.prompt_tokens == len(p)
-    assert len(loop.batch) == 0 and loop.allocator.used == 0
+    assert len(loop.scheduler.running) == 0 and loop.scheduler.allocator.used == 0
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny_dense: Tiny) -> None:
@@ -125,7 +125,7 @@ class PoisonRows(Delegating):
 
     def forward(self, rows: list[StepRow]) -> torch.Tensor:
         # every row is decoding here: logits row i belongs to batch row i
-        return self._poison(self.inner.forward(rows).clone(), self.loop.batch.rows)
+        return self._poison(self.inner.forward(rows).clone(), self.loop.scheduler.running)
 
 
 def test_poisoned_request_fails_alone(tiny_dense: Tiny) -> None:
@@ -178,7 +178,7 @@ def test_failed_forward_fails_its_batch_and_the_engine_goes_on(
         # a short message for the client; the exception's text only in the log
         assert sink.events[-1].error == "forward pass failed"
     assert "device lost" in caplog.text
-    assert len(loop.batch) == 0
+    assert len(loop.scheduler.running) == 0
     later, sink = make_sequence(tiny_dense.tokenizer, ps[2], SamplingParams(max_tokens=6))
     drive(loop, {0: [later]}, [sink])
     assert sink.token_ids == reference_greedy(tiny_dense, ps[2], 6)
@@ -192,15 +192,15 @@ def test_abort_frees_the_row_at_the_next_step(tiny_dense: Tiny) -> None:
         loop.scheduler.add(s)
     loop.step()
     loop.step()
-    assert len(loop.batch) == 2
+    assert len(loop.scheduler.running) == 2
     pairs[0][0].aborted = True
     loop.step()
-    assert len(loop.batch) == 1
-    assert loop.allocator.used == len(pairs[1][0].blocks)
+    assert len(loop.scheduler.running) == 1
+    assert loop.scheduler.allocator.used == len(pairs[1][0].blocks)
     assert pairs[0][1].finish_reason is FinishReason.CANCELLED
     pairs[1][0].aborted = True
     loop.step()
-    assert len(loop.batch) == 0 and loop.allocator.used == 0
+    assert len(loop.scheduler.running) == 0 and loop.scheduler.allocator.used == 0
 
 
 def test_eos_and_stop_strings(tiny_dense: Tiny) -> None:
@@ -245,7 +245,7 @@ def test_cache_holds_exactly_what_the_rows_hold_after_every_step(tiny_dense: Tin
     rng = random.Random(5)
     vocab = len(tiny_dense.tokenizer)
     loop = new_loop(tiny_dense.runner(), NO_EOS, max_batch_size=4, max_step_tokens=32)
-    block = loop.allocator.block_size
+    block = loop.scheduler.allocator.block_size
     lengths = [(300, 6), (4, 30), (9, 25), (17, 12)]  # one long prompt among short ones
     pairs = [
         make_sequence(
@@ -261,21 +261,21 @@ def test_cache_holds_exactly_what_the_rows_hold_after_every_step(tiny_dense: Tin
     seen_long_prefill = False
     for _ in range(200):
         loop.step()
-        rows = loop.batch.rows
+        rows = loop.scheduler.running
         # a row holds its prompt's blocks from admission, then one more per block_size tokens
         held = sum(
             -(-(seq.total_tokens if seq.prefilling else seq.cached) // block) for seq in rows
         )
-        assert loop.allocator.used == held
+        assert loop.scheduler.allocator.used == held
         assert all(len(seq.blocks) * block >= seq.cached for seq in rows)
-        assert loop.allocator.usage() == held / loop.allocator.num_blocks
-        loop.allocator.audit(seq.blocks for seq in rows)
+        assert loop.scheduler.allocator.usage() == held / loop.scheduler.allocator.num_blocks
+        loop.scheduler.allocator.audit(seq.blocks for seq in rows)
         seen_long_prefill |= any(seq.prefilling for seq in rows)
         if all(sink.done for _, sink in pairs):
             break
     assert seen_long_prefill
     assert all(sink.finish_reason is FinishReason.LENGTH for _, sink in pairs)
-    assert loop.allocator.used == 0
+    assert loop.scheduler.allocator.used == 0
 
 
 def test_ignore_eos_and_min_tokens(tiny_dense: Tiny) -> None:

@@ -27,11 +27,8 @@ async def test_known_mix(tiny_dense: Tiny) -> None:
     metrics = Metrics(registry, "tiny")
     observer = Observer(metrics)
     loop = new_loop(tiny_dense.runner(), frozenset())
-    loop._on_step, loop._on_admit = (
-        metrics.observe_batch,
-        metrics.observe_queue,
-    )  # as __main__ wires
-    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
+    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100,
+                         on_step=metrics.observe_step)  # fmt: skip
     metrics.track_engine(engine.running, engine.waiting)
     engine.start()
     try:
@@ -170,6 +167,7 @@ async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_den
     (not the row limit) runs dry and rows are preempted; vLLM's alias reads the same."""
     from predictor.engine.kv_cache import BlockAllocator
     from predictor.engine.scheduler import Scheduler
+    from predictor.engine.step import StepStats
     from predictor.engine.step_loop import StepLoop
 
     block, blocks, max_tokens = 8, 20, 30  # a 160-token cache
@@ -177,21 +175,22 @@ async def test_kv_cache_gauge_is_exact_against_the_scheduler_under_load(tiny_den
     metrics = Metrics(registry, "tiny", vllm_aliases=True)
     allocator = BlockAllocator(blocks, block)
     runner = tiny_dense.runner(num_blocks=blocks, block_size=block)
-    loop = StepLoop(
-        runner, Scheduler(8, 64), frozenset(), allocator, on_preempt=metrics.observe_preemption
-    )
+    loop = StepLoop(runner, Scheduler(8, 64, allocator), frozenset())
     metrics.track_kv_cache(allocator.usage)
     samples: list[tuple[float, float, float]] = []
 
-    def on_step(rows: int) -> None:  # the step loop's thread, between two steps: a still batch
-        held = {b for s in loop.batch.rows for b in s.blocks}  # blocks the rows hold
-        assert all(len(s.blocks) * block >= s.cached for s in loop.batch.rows)
+    def on_step(stats: StepStats) -> None:  # the step loop's thread, between two steps
+        metrics.observe_step(stats)
+        if not stats.running:  # the last step, or the loop stopping: nothing holds a block
+            return
+        held = {b for s in loop.scheduler.running for b in s.blocks}  # blocks the rows hold
+        assert all(len(s.blocks) * block >= s.cached for s in loop.scheduler.running)
         gauge = value(registry, "predictor_kv_cache_usage_ratio")
         alias = registry.get_sample_value("vllm:kv_cache_usage_perc", {"model_name": "tiny"})
         samples.append((gauge, len(held) / blocks, alias or 0.0))
 
-    loop._on_step = on_step
-    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
+    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100,
+                         on_step=on_step)  # fmt: skip
     engine.start()
     try:
         prompts = [f"Request number {i} asks for some text" for i in range(6)]
@@ -227,9 +226,9 @@ async def test_prefix_cache_counters_and_cache_config(tiny_dense: Tiny) -> None:
     registry = CollectorRegistry()
     metrics = Metrics(registry, "tiny", vllm_aliases=True)
     loop = new_loop(tiny_dense.runner(num_blocks=64, block_size=4), frozenset())
-    loop._on_prefix_cache = metrics.observe_prefix_cache
     metrics.describe_cache(4, 64, True)
-    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=200)
+    engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=200,
+                         on_step=metrics.observe_step)  # fmt: skip
     engine.start()
     document = "A shared document that every question repeats word for word. " * 3
     try:

@@ -43,7 +43,7 @@ async def test_preempted_requests_carry_their_preemptions_as_span_events(
     dropped: list[int] = []
     observer = Observer(metrics, TenantLabels(4), tracing(exporter, dropped))
     runner = tiny_dense.runner(num_blocks=blocks, block_size=block)
-    loop = StepLoop(runner, Scheduler(8, 64), frozenset(), BlockAllocator(blocks, block))
+    loop = StepLoop(runner, Scheduler(8, 64, BlockAllocator(blocks, block)), frozenset())
     engine = AsyncEngine(loop, tiny_dense.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
     engine.start()
     try:

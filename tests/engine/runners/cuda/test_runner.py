@@ -17,7 +17,7 @@ from load.random_gptq import SHAPES, Layout, write_checkpoint
 from predictor.engine.step import StepRow
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams
-from tests.engine.conftest import Collected, drive, make_sequence, new_loop
+from tests.engine.conftest import Collected, drive, make_sequence, new_loop, preemptions
 from tests.support import ServerProcess
 
 pytestmark = pytest.mark.cuda
@@ -101,7 +101,7 @@ def run_engine(
     drive(loop, arrivals, sinks)
     for sink in sinks:
         assert sink.finish_reason is FinishReason.LENGTH
-    assert loop.allocator.used == 0
+    assert loop.scheduler.allocator.used == 0
     return sinks
 
 
@@ -131,10 +131,9 @@ def test_prefix_hits_chunked_prefill_and_preemption_keep_the_tokens(bf16: Loaded
     equals generate's up to a near-tie."""
     document = prompts(bf16, (40,), seed=3)[0]
     batch = [document + p for p in prompts(bf16, (3, 9, 20, 5, 12, 2), seed=4)]
-    preempted: list[int] = []
     gpu_runner = runner(bf16, num_blocks=20, max_step_tokens=16)
     loop = new_loop(gpu_runner, frozenset(), max_batch_size=6, max_step_tokens=16)
-    loop._on_preempt = lambda: preempted.append(1)
+    preempted = preemptions(loop)
     sinks, seqs = [], []
     for i, prompt in enumerate(batch):
         seq, sink = make_sequence(

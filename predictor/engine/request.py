@@ -1,4 +1,4 @@
-"""The running batch: one Sequence per request holding KV-cache blocks, prefilling or decoding."""
+"""One request inside the engine: its tokens, its KV-cache blocks, its events."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ EventSink = Callable[[TokenEvent], None]
 
 
 @dataclass(eq=False)
-class Sequence:
-    """All state of one request inside the engine."""
+class Request:
+    """All state of one request inside the engine (vLLM's `Request`)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -38,6 +38,8 @@ class Sequence:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     aborted: bool = False
+    # only the prompt is wanted (max_tokens 0: its echo, its scores): no token is sampled
+    echo_only: bool = False
     finish_reason: FinishReason | None = None
     blocks: list[int] = field(default_factory=list)  # KV-cache block table, in position order
     cached: int = 0  # tokens whose keys and values the cache holds (of prompt + output)
@@ -136,23 +138,3 @@ class Sequence:
                 error_param, RequestTimes(self.arrival, self.scheduled, tuple(self.preempted_at)),
             )
         )  # fmt: skip
-
-
-class Batch:
-    """Sequences admitted to the cache, oldest first."""
-
-    def __init__(self) -> None:
-        self.rows: list[Sequence] = []
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def extend(self, seqs: list[Sequence]) -> None:
-        self.rows.extend(seqs)
-
-    def remove_finished(self) -> list[Sequence]:
-        """Drop finished rows; return them."""
-        gone = [seq for seq in self.rows if seq.finish_reason is not None]
-        if gone:
-            self.rows = [seq for seq in self.rows if seq.finish_reason is None]
-        return gone

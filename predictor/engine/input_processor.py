@@ -1,0 +1,227 @@
+"""From a `GenerateRequest` to an engine `Request`: templating, tokenizing and every check that
+needs the tokenizer or the engine's limits (vLLM's input processor).
+
+Blocking work (tokenizing, rendering a chat template, the grammar compiler's first use reading
+the vocabulary) is called by the asyncio front in a worker thread, never on the event loop nor
+on the step loop. The grammar compiler (engine/grammar.py) is made on first use, so a server
+that never sees a grammar never loads it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from predictor.engine import tool_calls
+from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
+from predictor.engine.kv_cache import blocks_for
+from predictor.engine.request import EventSink, Request
+from predictor.errors import InvalidRequest
+from predictor.types import GenerateRequest
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_tokens: int  # new tokens
+    max_prompt_tokens: int
+    max_prompts: int  # in one request
+    cache_blocks: int  # the KV cache: one request's prompt + max_tokens must fit in it
+    block_size: int
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: Limits,
+        eos_ids: Collection[int],
+        grammar_timeout: float = 10.0,
+        max_grammar_compiles: int = 16,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self._eos_ids = frozenset(eos_ids)
+        self._grammar_limits = (grammar_timeout, max_grammar_compiles)
+        self._byte_table = byte_table(tokenizer)
+        # a token never spells more characters than its vocabulary entry has symbols, so a text
+        # longer than this is too long without tokenizing it
+        longest = max((len(t) for t in _vocabulary(tokenizer)), default=0)
+        self._max_prompt_chars = limits.max_prompt_tokens * longest if longest else None
+        self._grammars: Any = None  # engine.grammar.Grammars, made by the first grammar
+        self._grammars_lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._grammars is not None:
+            self._grammars.close()
+
+    # -- checks that need no tokenizer (on the event loop) ---------------------------------
+    def check(self, requests: Sequence[GenerateRequest]) -> None:
+        if not requests:
+            raise InvalidRequest("a request needs at least one prompt")
+        if len(requests) > self.limits.max_prompts:
+            raise InvalidRequest(
+                f"{len(requests)} prompts in one request; the limit is {self.limits.max_prompts}"
+            )
+        for request in requests:
+            max_tokens = request.params.max_tokens
+            if not 0 <= max_tokens <= self.limits.max_tokens:  # 0: only the prompt (echo)
+                raise InvalidRequest(
+                    f"max_tokens must be between 0 and {self.limits.max_tokens}, got {max_tokens}"
+                )
+
+    # -- blocking (a worker thread) ----------------------------------------------------------
+    def encode_prompt(self, request: GenerateRequest) -> list[int]:
+        """Template and tokenize."""
+        if request.prompt_ids is not None:
+            self.check_ids(request.prompt_ids, "prompt")
+            ids = list(request.prompt_ids)
+        elif request.messages is not None or request.chat:
+            conversation = (
+                list(request.messages)
+                if request.messages is not None
+                else [{"role": "user", "content": request.prompt}]
+            )
+            # a template only adds text: an overlong conversation is refused before rendering
+            # (jinja held the GIL for 8 ms at a time rendering a 4 MiB message)
+            self._check_length(sum(map(len, _texts(conversation))))
+            text = self._render(conversation, request.tools)
+            self._check_length(len(text))
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            self._check_length(len(request.prompt))
+            ids = self.tokenizer.encode(request.prompt)
+        if not ids:
+            raise InvalidRequest("text_input must not be empty")
+        limit = self.limits.max_prompt_tokens
+        if len(ids) > limit:
+            raise InvalidRequest(f"prompt is {len(ids)} tokens; the limit is {limit} tokens")
+        return ids
+
+    def prepare(self, request: GenerateRequest) -> tuple[list[int], str | None]:
+        """The prompt's tokens and its text when the request echoes it; the grammar compiler
+        made if the request has a grammar (its first time reads the vocabulary)."""
+        ids = self.encode_prompt(request)
+        echo = None
+        if request.echo:  # the text as given; token ids (or a rendered chat) decoded
+            plain = request.prompt_ids is None and request.messages is None and not request.chat
+            echo = request.prompt if plain else self.tokenizer.decode(ids)
+        vocab = self.vocab_size()
+        if vocab is not None and any(t >= vocab for t, _ in request.params.logit_bias):
+            raise InvalidRequest(
+                f"logit_bias names a token id outside the vocabulary ({vocab} tokens)",
+                param="logit_bias",
+            )
+        if request.params.grammar is not None:
+            self.grammars()
+        self._check_fits(ids, request.params.max_tokens)
+        return ids, echo
+
+    def grammars(self) -> Any:
+        """The grammar compiler (blocking the first time: it reads the vocabulary)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                from predictor.engine.grammar import Grammars  # xgrammar loads only when used
+
+                timeout, in_flight = self._grammar_limits
+                self._grammars = Grammars(self.tokenizer, self._eos_ids, timeout=timeout,
+                                          max_in_flight=in_flight)  # fmt: skip
+            return self._grammars
+
+    def request(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        sink: EventSink,
+        deadline: float | None,
+        compiled: Any = None,
+        echo: str | None = None,
+    ) -> Request:
+        """The engine's state of one prepared request."""
+        return Request(
+            request_id=request.request_id,
+            prompt_ids=prompt_ids,
+            params=request.params,
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, prompt_ids, request.params.stop, self._byte_table
+            ),
+            sink=sink,
+            deadline=deadline,
+            cache_salt=request.cache_salt,
+            matcher=None if compiled is None else self.grammars().matcher(compiled),
+            prompt_text=echo,
+            echo_only=request.params.max_tokens == 0,
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _render(
+        self, conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+    ) -> str:
+        """The chat template's text; tools and tool turns as `engine/tool_calls.py` writes them
+        for a template that does not render them itself."""
+        if tool_calls.native(getattr(self.tokenizer, "chat_template", None)):
+            extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
+            return str(
+                self.tokenizer.apply_chat_template(
+                    conversation, add_generation_prompt=True, tokenize=False, **extra
+                )
+            )
+        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
+            conversation = tool_calls.plain_conversation(conversation, tools)
+        return str(
+            self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False
+            )
+        )
+
+    def vocab_size(self) -> int | None:
+        size: Any = getattr(self.tokenizer, "__len__", None)
+        return size() if size is not None else None
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        vocab = self.vocab_size()
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(
+                f"'{param}' holds a token id outside the vocabulary (0 to {vocab - 1})",
+                param=param,
+            )
+
+    def _check_length(self, chars: int) -> None:
+        if self._max_prompt_chars is not None and chars > self._max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt is {chars} characters: more than the limit of "
+                f"{self.limits.max_prompt_tokens} tokens"
+            )
+
+    def _check_fits(self, prompt_ids: list[int], max_tokens: int) -> None:
+        limits = self.limits
+        if blocks_for(len(prompt_ids) + max_tokens, limits.block_size) > limits.cache_blocks:
+            raise InvalidRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceed the "
+                f"KV cache ({limits.cache_blocks * limits.block_size} tokens)"
+            )
+
+
+def _vocabulary(tokenizer: Any) -> list[str]:
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    try:
+        return list(get_vocab()) if get_vocab is not None else []
+    except Exception:  # a tokenizer without a vocabulary listing: no early length check
+        return []
+
+
+def _texts(conversation: Sequence[Mapping[str, Any]]) -> Iterator[str]:
+    """The text contents of a conversation's messages."""
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, str):
+            yield content
