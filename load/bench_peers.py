@@ -403,14 +403,16 @@ def gguf_file() -> Path:
 @contextmanager
 def llama_server(
     binary: str, gguf: Path, model_name: str, threads: int, slots: int, log_file: Path,
-    ctx: int, ready_timeout: float,
+    ctx: int, ready_timeout: float, extra: Sequence[str] = (),
 ) -> Iterator[VllmServer]:  # fmt: skip
     """llama.cpp's llama-server: `slots` parallel sequences (continuous batching) sharing one
-    KV cache of `ctx` tokens, `threads` threads for decoding and for prompts."""
+    KV cache of `ctx` tokens, `threads` threads for decoding and for prompts; `extra` flags
+    (--spec-type ...)."""
     port = free_port()
     command = [
         binary, "-m", str(gguf), "--alias", model_name, "--host", "127.0.0.1", "--port", str(port),
         "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(ctx), "-kvu", "-cb",
+        *extra,
     ]  # fmt: skip
     with open(log_file, "ab") as log:
         process = subprocess.Popen(  # stdin: llama-server exits when an inherited one closes

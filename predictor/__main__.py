@@ -21,6 +21,7 @@ from predictor.engine.runners.model import ModelRunner
 from predictor.engine.runners.native import build_matmuls_in_background, library_cache
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.scheduler import Scheduler
+from predictor.engine.speculation import Policy, Proposer, SpeculationConfig
 from predictor.engine.step import Runner
 from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
@@ -71,12 +72,17 @@ def build_engine(
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc
+    speculation = None
+    if settings.speculative != "off":
+        config = SpeculationConfig(settings.speculative, settings.num_speculative_tokens)
+        speculation = (Proposer(config), Policy(getattr(runner, "step_cost", None)))
     scheduler = Scheduler(
         settings.max_batch_size,
         settings.max_waiting,
         allocator,
         max_step_tokens=settings.max_step_tokens,
         prefix_caching=settings.prefix_caching,
+        speculation=speculation,
     )
     step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)

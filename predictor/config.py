@@ -31,6 +31,7 @@ KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
 # how decode rows attend: on a CPU native (engine/runners/native.py) or torch; on a GPU triton
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")
+SPECULATIVE = ("off", "ngram", "suffix")  # --speculative (engine/speculation.py)
 # the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
 # model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -77,6 +78,11 @@ class Settings:
     kv_block_size: int = 16  # tokens per KV-cache block
     prefix_caching: bool = True  # reuse cached blocks of prompts that start alike
     max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
+    # speculative decoding without a draft model: off | ngram | suffix (drafting only in
+    # steps where the measured cost says it pays). Off by default until free chat holds its
+    # speed with it on (load/RESULTS.md: 0.84x today)
+    speculative: str = "off"
+    num_speculative_tokens: int = 4  # draft tokens a row verifies at most per step
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
     max_waiting: int = 64
@@ -142,6 +148,11 @@ class Settings:
             )
         if self.max_step_tokens <= self.max_batch_size:
             raise ValueError("--max-step-tokens must exceed --max-batch-size (room for prefill)")
+        if self.speculative not in SPECULATIVE or not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(
+                f"--speculative must be one of {', '.join(SPECULATIVE)} and "
+                "--num-speculative-tokens between 1 and 16"
+            )
         if self.runner not in ("model", "null"):
             raise ValueError(f"--runner must be model or null, got {self.runner!r}")
         limits = (self.max_prompts, self.max_body_bytes, self.max_json_depth,
@@ -219,6 +230,12 @@ _HELP = {
     "request computed (same tokens, same cache_salt) reuses them instead of computing them",
     "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
     "a long prompt's prefill may pause the running streams",
+    "speculative": "speculative decoding without a draft model: 'ngram' drafts from the "
+    "request's own prompt and output (prompt lookup), 'suffix' also from recent answers of "
+    "requests with the same cache_salt; a step drafts only where the kernels' measured cost "
+    "says the expected accepted tokens pay for it (so it switches itself off under load); "
+    "'off' never drafts",
+    "num_speculative_tokens": "draft tokens a row verifies at most per step",
     "max_waiting": "most requests waiting for a batch row; more are refused",
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "
@@ -315,6 +332,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             choices={
                 "kernel": KERNELS,
                 "attention": ATTENTION,
+                "speculative": SPECULATIVE,
                 "otlp_traces_protocol": OTLP_PROTOCOLS,
                 "log_payloads": PAYLOAD_MODES,
             }.get(f.name),

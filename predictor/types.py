@@ -58,6 +58,8 @@ class SamplingParams:
     # None: the prompt is not scored; k >= 0: each prompt token's logprob (the first has none)
     # with its rank and the k most likely tokens at its position (vLLM's prompt_logprobs)
     prompt_logprobs: int | None = None
+    # False: this request never drafts tokens (speculative decoding), whatever the server does
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +109,9 @@ class Usage:
     prompt_tokens: int
     generated_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
+    # speculative decoding: draft tokens verified for this request, and of them accepted
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from typing import Any
 
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.kv_cache import BlockKey, extend_keys
+from predictor.engine.speculation import RowSpeculation
 from predictor.types import (
     FinishReason,
     PromptEcho,
@@ -55,6 +56,10 @@ class Request:
     # prompt_logprobs: one entry per prompt token scored so far (the first has no logprob)
     prompt_scores: list[PromptToken] = field(default_factory=list)
     prompt_sent: bool = False  # the first event (carrying the prompt, if asked) went out
+    # speculative decoding: the row's drafting state (None: it never drafts), and its totals
+    speculation: RowSpeculation | None = None
+    draft_tokens: int = 0  # drafted and verified
+    accepted_tokens: int = 0  # of them, kept
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_ids:
@@ -109,6 +114,8 @@ class Request:
             prompt_tokens=len(self.prompt_ids),
             generated_tokens=len(self.output_ids),
             cached_tokens=self.cached_prompt_tokens,
+            draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_tokens,
         )
 
     def emit(

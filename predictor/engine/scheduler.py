@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.request import Request
+from predictor.engine.speculation import Policy, Proposer, expected_accepted
 from predictor.engine.step import StepRow
 from predictor.errors import Overloaded
 
@@ -36,6 +37,7 @@ class Schedule:
     requests: list[Request] = field(default_factory=list)
     rows: list[StepRow] = field(default_factory=list)
     decode_rows: int = 0  # rows[:decode_rows] feed one token each, to a row with a cache
+    verify_rows: int = 0  # rows[decode_rows:decode_rows + verify_rows] carry draft tokens
     admitted: list[Request] = field(default_factory=list)  # first admissions (not resumed)
     resumed: list[Request] = field(default_factory=list)  # readmitted after a preemption
     # admitted with nothing to run (echo only, no prompt to score): their blocks already freed,
@@ -65,6 +67,8 @@ class Schedule:
                 del self.requests[i], self.rows[i]
                 if i < self.decode_rows:
                     self.decode_rows -= 1
+                elif i < self.decode_rows + self.verify_rows:
+                    self.verify_rows -= 1
                 return
 
 
@@ -79,6 +83,7 @@ class Scheduler:
         allocator: BlockAllocator | None = None,
         max_step_tokens: int = 256,
         prefix_caching: bool = True,
+        speculation: tuple[Proposer, Policy] | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
         self.max_waiting = max_waiting
@@ -86,6 +91,8 @@ class Scheduler:
         self.allocator = allocator if allocator is not None else BlockAllocator(256, 16)
         self.max_step_tokens = max_step_tokens
         self.prefix_caching = prefix_caching
+        # speculative decoding: who drafts, and whether a step's drafts pay (None: off)
+        self.speculation = speculation
         self.running: list[Request] = []  # admitted, holding blocks, oldest first
         self._waiting: deque[Request] = deque()
         self._lock = threading.Lock()
@@ -152,6 +159,9 @@ class Scheduler:
             # a resumed row's generator, queue time and cache query stand
             (schedule.resumed if request.preemptions else schedule.admitted).append(request)
             self.running.append(request)
+            drafts = request.params.speculative and not request.echo_only
+            if self.speculation is not None and request.speculation is None and drafts:
+                request.speculation = self.speculation[0].state()
         self._grow(schedule)
         self._plan(schedule)
         schedule.check()
@@ -228,21 +238,37 @@ class Scheduler:
             self._waiting.appendleft(request)
 
     def _plan(self, schedule: Schedule) -> None:
-        """Every decoding row one token, then prompt chunks within the budget."""
+        """Every decoding row one token (some with drafts to verify), then prompt chunks
+        within the budget."""
         budget = self.max_step_tokens
-        prefilling = []
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
         for request in self.running:
-            if request.finish_reason is not None:
-                continue
-            if request.prefilling:
-                prefilling.append(request)
-                continue
+            if request.finish_reason is None:
+                (prefilling if request.prefilling else decoding).append(request)
+        drafts = self._drafts(decoding, budget) if not prefilling else {}
+        verifying = []
+        for request in decoding:
+            if request.speculation is not None:
+                request.speculation.drafts = drafts.get(id(request), [])
+                if request.speculation.drafts:
+                    verifying.append(request)
+                    continue
             schedule.requests.append(request)
             schedule.rows.append(
                 StepRow(request.blocks, request.cached, request.output_ids[-1:], logits=True)
             )
             budget -= 1
         schedule.decode_rows = len(schedule.rows)
+        for request in verifying:  # the last token and its drafts: logits for every one
+            assert request.speculation is not None
+            tokens = request.output_ids[-1:] + request.speculation.drafts
+            schedule.requests.append(request)
+            schedule.rows.append(
+                StepRow(request.blocks, request.cached, tokens, True, True, len(tokens) - 1)
+            )
+            budget -= len(tokens)
+        schedule.verify_rows = len(verifying)
         for request in prefilling:
             if budget <= 0 and schedule.rows:
                 break
@@ -256,11 +282,55 @@ class Scheduler:
                 StepRow(request.blocks, request.cached, chunk, sample_next, request.scoring)
             )
 
-    def update(self, schedule: Schedule) -> None:
-        """Book a forward pass of `schedule`: the rows' cache now holds what they were fed;
-        the blocks that filled up are offered to the prefix cache."""
-        for request, row in schedule:
-            request.cached += len(row.tokens)
+    def _drafts(self, decoding: list[Request], budget: int) -> dict[int, list[int]]:
+        """Each decoding row's drafts this step (by id), where the policy says they pay."""
+        if self.speculation is None or not decoding:
+            return {}
+        proposer, policy = self.speculation
+        limit = proposer.config.max_tokens
+        spare = max(0, budget - len(decoding))
+        candidates, offers = [], []
+        for request in decoding:
+            state = request.speculation
+            left = request.params.max_tokens - len(request.output_ids) - 1
+            if state is None or left <= 0 or spare <= 0:
+                continue
+            tokens = request.prompt_ids + request.output_ids
+            proposed = proposer.propose(state, tokens, request.cache_salt, min(limit, left))
+            proposed = proposed[: self._room(request, len(proposed))]
+            if proposed:
+                candidates.append((request, proposed))
+                offers.append((len(proposed), expected_accepted(len(proposed), state.acceptance)))
+        if not candidates:
+            return {}
+        granted = policy.choose(len(decoding), len(decoding), offers)
+        chosen: dict[int, list[int]] = {}
+        for (request, proposed), count in zip(candidates, granted, strict=True):
+            count = min(count, spare)
+            if count:
+                chosen[id(request)] = proposed[:count]
+                spare -= count
+        return chosen
+
+    def _room(self, request: Request, wanted: int) -> int:
+        """How many draft positions the row's blocks can hold past its next token, taking at
+        most one more block when the cache has more than its headroom free (never
+        preempting for a draft)."""
+        size = self.allocator.block_size
+        room = len(request.blocks) * size - request.cached - 1
+        headroom = max(1, self.allocator.num_blocks // 100)
+        if room < wanted and self.allocator.available > headroom:
+            request.blocks.extend(self.allocator.allocate(1, request.blocks[-1]))
+            room += size
+        return max(0, min(room, wanted))
+
+    def update(self, schedule: Schedule, computed: list[int] | None = None) -> None:
+        """Book a forward pass of `schedule`: the rows' cache now holds what they were fed
+        (`computed`: how many of each row's tokens count: a verified row's last token and its
+        accepted drafts; the rejected drafts' slots are written over later, never read); the
+        blocks that filled up are offered to the prefix cache."""
+        for i, (request, row) in enumerate(schedule):
+            request.cached += len(row.tokens) if computed is None else computed[i]
             if self.prefix_caching:
                 self._register(request)
 
@@ -281,6 +351,10 @@ class Scheduler:
             self.running = [r for r in self.running if r.finish_reason is None]
             for request in gone:
                 self.free(request)
+                if self.speculation is not None and request.output_ids:
+                    tokens = request.prompt_ids + request.output_ids
+                    self.speculation[0].finished(tokens, len(request.prompt_ids),
+                                                 request.cache_salt)  # fmt: skip
         return gone
 
     def free(self, request: Request) -> None:

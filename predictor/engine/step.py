@@ -25,6 +25,10 @@ class StepRow:
     # logits for every one of `tokens` (a prompt being scored, prompt_logprobs): len(tokens)
     # rows, the last of them the one `logits` asks for; rows without it cost nothing extra
     all_logits: bool = False
+    # a decode row's last token and its drafts (speculative decoding): each token attends as a
+    # decode row of its own where the runner can, so its logits are the ones it would have had
+    # decoded alone (the same tokens with and without drafts)
+    drafts: int = 0
 
     @property
     def logit_count(self) -> int:
@@ -57,3 +61,9 @@ class StepStats:
     # prefix cache is on
     prefix_queries: tuple[tuple[int, int], ...] = ()
     preemptions: int = 0
+    # speculative decoding (vLLM's spec_decode counters): rows that verified drafts, the draft
+    # tokens, of them accepted, and the rows whose draft at each position was accepted
+    draft_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: tuple[int, ...] = ()

@@ -16,7 +16,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from predictor.engine.request import Request
 from predictor.engine.sampling import (
@@ -36,6 +37,16 @@ if TYPE_CHECKING:  # annotations only: the runners run torch
 log = logging.getLogger(__name__)
 
 StepListener = Callable[[StepStats], None]
+
+
+@dataclass
+class Verified:
+    """What one step's drafts came to."""
+
+    rows: int = 0  # rows that verified drafts
+    drafts: int = 0  # draft tokens verified
+    accepted: list[int] = field(default_factory=list)  # per verifying row, drafts kept
+    per_position: tuple[int, ...] = ()  # rows whose draft at each position was kept
 
 
 class StepLoop:
@@ -128,11 +139,14 @@ class StepLoop:
         self._retire()
         schedule = self.scheduler.schedule()
         self._start(schedule)
-        sampled = self._forward(schedule) if schedule.rows else 0
+        sampled, verified = self._forward(schedule) if schedule.rows else (0, Verified())
         self.scheduler.remove_finished()
-        return self._stats(schedule, sampled)
+        return self._stats(schedule, sampled, verified)
 
-    def _stats(self, schedule: Schedule, sampled: int = 0) -> StepStats:
+    def _stats(
+        self, schedule: Schedule, sampled: int = 0, verified: Verified | None = None
+    ) -> StepStats:
+        verified = verified or Verified()
         first = [r for r in schedule.admitted + schedule.echoed if r.scheduled is not None]
         prefix: tuple[tuple[int, int], ...] = ()
         if self.scheduler.prefix_caching:
@@ -145,6 +159,10 @@ class StepLoop:
             queue_waits=tuple(r.scheduled - r.arrival for r in first if r.scheduled is not None),
             prefix_queries=prefix,
             preemptions=len(schedule.preempted),
+            draft_rows=verified.rows,
+            draft_tokens=verified.drafts,
+            accepted_tokens=sum(verified.accepted),
+            accepted_per_position=verified.per_position,
         )
 
     def _retire(self) -> None:
@@ -182,34 +200,91 @@ class StepLoop:
             request.finish(FinishReason.LENGTH)
         self.scheduler.remove_finished()
 
-    def _forward(self, schedule: Schedule) -> int:
-        """Run the step's rows; score, sample and advance them. Returns the rows sampled."""
+    def _forward(self, schedule: Schedule) -> tuple[int, Verified]:
+        """Run the step's rows; score, sample and advance them, verify drafts, book the cache.
+        Returns the rows sampled and what the drafts came to."""
         try:
             logits = self.runner.forward(schedule.rows)
         except Exception:  # the detail goes to the log, a short message to the clients
             log.exception("forward pass failed")
             for request in schedule.requests:  # their cache contents are unknown now
                 request.finish(FinishReason.ERROR, error="forward pass failed")
-            return 0  # the rows not fed are intact
-        self.scheduler.update(schedule)
+            return 0, Verified()  # the rows not fed are intact
         sampled = []
         at: list[int] = []  # the rows of `logits` sampled from
+        verifying: list[tuple[Request, int, list[int]]] = []  # (row, its first logits, drafts)
         first = 0  # the row of `logits` where this row's begin
-        for request, row in schedule:
-            if row.all_logits:
-                self._score(request, row, logits[first : first + len(row.tokens)])
-            first += row.logit_count
-            if row.logits:
+        drafted = range(schedule.decode_rows, schedule.decode_rows + schedule.verify_rows)
+        for i, (request, row) in enumerate(schedule):
+            if i in drafted:
+                assert request.speculation is not None
+                verifying.append((request, first, request.speculation.drafts))
+                request.draft_tokens += len(request.speculation.drafts)
                 sampled.append(request)
-                at.append(first - 1)
-            elif request.echo_only and request.cached >= len(request.prompt_ids):
-                request.finish(FinishReason.LENGTH)  # echo only: the prompt is scored
+                at.append(first)  # the token after its last one; the drafts' own: below
+            else:
+                if row.all_logits:
+                    self._score(request, row, logits[first : first + len(row.tokens)])
+                if row.logits:
+                    sampled.append(request)
+                    at.append(first + row.logit_count - 1)
+            first += row.logit_count
         if sampled:
-            self._accept(sampled, select_rows(logits, at))
-        return len(sampled)
+            drafts = {id(request): d[0] for request, _, d in verifying}
+            self._accept(sampled, select_rows(logits, at), [drafts.get(id(r)) for r in sampled])
+        verified = self._verify(verifying, logits)
+        computed = [len(row.tokens) for row in schedule.rows]
+        for i, accepted in zip(drafted, verified.accepted, strict=True):
+            computed[i] = 1 + accepted  # the last token's keys and the accepted drafts'
+        self.scheduler.update(schedule, computed)
+        for request, row in schedule:
+            if not row.logits and request.echo_only and request.cached >= len(request.prompt_ids):
+                request.finish(FinishReason.LENGTH)  # echo only: the prompt is scored
+        return len(sampled), verified
 
-    def _accept(self, requests: list[Request], logits: torch.Tensor) -> None:
-        # logits: [len(requests), V]
+    def _verify(self, verifying: list[tuple[Request, int, list[int]]], logits: Any) -> Verified:
+        """Keep each row's drafts while the token sampled at a draft's position is that draft
+        (the sampler, each row's generator and state as if no draft was made: the rejection
+        rule of a deterministic draft in one draw); the first token that differs, or the one
+        after the last draft, is the row's own next token. The same tokens as without drafts."""
+        accepted = [0] * len(verifying)
+        active = list(range(len(verifying)))
+        position = 0  # the draft the token just sampled is compared with
+        while active:
+            kept = []
+            for v in active:
+                request, _, drafts = verifying[v]
+                if request.output_ids[-1] == drafts[position]:
+                    accepted[v] += 1
+                    if request.finish_reason is None:
+                        kept.append(v)
+            position += 1
+            if not kept:
+                break
+            rows = [verifying[v][1] + position for v in kept]  # the token after the draft
+            nexts = [d[position] if position < len(d) else None
+                     for d in (verifying[v][2] for v in kept)]  # fmt: skip
+            self._accept([verifying[v][0] for v in kept], select_rows(logits, rows), nexts)
+            active = [v for v in kept if position < len(verifying[v][2])]
+        per_position = [0] * max((len(d) for _, _, d in verifying), default=0)
+        for (request, _, drafts), count in zip(verifying, accepted, strict=True):
+            assert request.speculation is not None
+            request.speculation.observe(len(drafts), count)
+            for p in range(count):
+                per_position[p] += 1
+        return Verified(
+            rows=len(verifying),
+            drafts=sum(len(d) for _, _, d in verifying),
+            accepted=accepted,
+            per_position=tuple(per_position),
+        )
+
+    def _accept(
+        self, requests: list[Request], logits: torch.Tensor, drafts: list[int | None] | None = None
+    ) -> None:
+        """Sample each row's next token from its logits [len(requests), V] and advance it;
+        `drafts`: the draft each row's token is checked against, if any (counted accepted
+        before the token's event, which may be its last)."""
         try:
             result = sample(logits, requests, self._eos_ids)
         except Exception:  # a sampling bug must fail these rows, not the engine
@@ -217,7 +292,8 @@ class StepLoop:
             for request in requests:
                 request.finish(FinishReason.ERROR, error="sampling failed")
             return
-        for request, token, logprob in zip(requests, result.tokens, result.logprobs, strict=True):
+        rows = zip(requests, result.tokens, result.logprobs, strict=True)
+        for i, (request, token, logprob) in enumerate(rows):
             if token == NO_TOKEN_ALLOWED and request.params.grammar is not None:
                 param = request.params.grammar.param  # the request's constraint, not the model
                 request.finish(FinishReason.ERROR, request.detokenizer.flush(), error_param=param,
@@ -230,6 +306,8 @@ class StepLoop:
             logprobs: tuple[TokenLogprob, ...] = ()
             if logprob is not None:
                 logprobs = (self._token_logprob(request, token, *logprob),)
+            if drafts is not None and drafts[i] == token:
+                request.accepted_tokens += 1
             self._advance(request, token, logprobs)
 
     @staticmethod

@@ -55,7 +55,12 @@ VLLM_COUNTER_ALIASES = {
     "predictor_prefix_cache_queries": "vllm:prefix_cache_queries",
     "predictor_prefix_cache_hits": "vllm:prefix_cache_hits",
     "predictor_num_preemptions": "vllm:num_preemptions",
+    "predictor_spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "predictor_spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "predictor_spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
 }
+SPEC_PER_POSITION = "predictor_spec_decode_num_accepted_tokens_per_pos"
+VLLM_SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 _CACHE_LABELS = ["block_size", "num_gpu_blocks", "enable_prefix_caching"]
 
 
@@ -147,6 +152,28 @@ class Metrics:
             "Rows preempted (blocks freed, recomputed later) because the KV cache was full.",
             labels, registry=registry,
         )  # fmt: skip
+        self.spec_drafts = Counter(
+            "predictor_spec_decode_num_drafts",
+            "Speculative decoding: rows that verified draft tokens (one per row and step).",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.spec_draft_tokens = Counter(
+            "predictor_spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.", labels, registry=registry,
+        )  # fmt: skip
+        self.spec_accepted = Counter(
+            "predictor_spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens accepted (the model produced them itself).",
+            labels, registry=registry,
+        )  # fmt: skip
+        self.spec_per_position = [
+            Counter(
+                SPEC_PER_POSITION,
+                "Speculative decoding: drafts accepted at each position.",
+                [*labels, "position"],
+                registry=registry,
+            )  # fmt: skip
+        ]
         self.cache_config = Gauge(
             "predictor_cache_config_info", "The KV cache's shape (value 1).", _CACHE_LABELS,
             registry=registry,
@@ -163,6 +190,10 @@ class Metrics:
                 self.counter_aliases[ours] = Counter(
                     theirs, f"Same as {ours} (vLLM's name).", ["model_name"], registry=registry
                 )
+            self.spec_per_position.append(Counter(
+                VLLM_SPEC_PER_POSITION, f"Same as {SPEC_PER_POSITION} (vLLM's name).",
+                ["model_name", "position"], registry=registry,
+            ))  # fmt: skip
             self.vllm_cache_config = Gauge(
                 "vllm:cache_config_info", "Same as predictor_cache_config_info (vLLM's name).",
                 _CACHE_LABELS, registry=registry,
@@ -170,7 +201,8 @@ class Metrics:
         # every series a dashboard plots is on /metrics from the start (counters at 0, as vLLM's)
         for collector in (
             self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions, self.ttft,
-            self.tpot, self.e2e, self.queue_time, self.batch_size,
+            self.tpot, self.e2e, self.queue_time, self.batch_size, self.spec_drafts,
+            self.spec_draft_tokens, self.spec_accepted,
         ):  # fmt: skip
             collector.labels(model_name)
         self.prompt_tokens.labels(model_name, NO_TENANT)
@@ -216,6 +248,15 @@ class Metrics:
             self.observe_prefix_cache(queried, hits)
         for _ in range(stats.preemptions):
             self.observe_preemption()
+        if stats.draft_rows:
+            self._count(self.spec_drafts, "predictor_spec_decode_num_drafts", stats.draft_rows)
+            self._count(self.spec_draft_tokens, "predictor_spec_decode_num_draft_tokens",
+                        stats.draft_tokens)  # fmt: skip
+            self._count(self.spec_accepted, "predictor_spec_decode_num_accepted_tokens",
+                        stats.accepted_tokens)  # fmt: skip
+            for position, accepted in enumerate(stats.accepted_per_position):
+                for counter in self.spec_per_position:
+                    counter.labels(self.model_name, str(position)).inc(accepted)
 
     def observe_prefix_cache(self, queried: int, hits: int) -> None:
         """At a request's first admission: its prompt tokens, and how many of them the prefix

@@ -112,6 +112,8 @@ TABLE: tuple[Parameter, ...] = (
     Parameter("response_format", "grammar", None, "OpenAI's: {type: text | json_object | "
               "json_schema, json_schema: {name, schema, strict}}", protocols=frozenset({"openai"}),
               field="grammar"),
+    Parameter("speculative", "boolean", True, "false: this request never drafts tokens "
+              "(speculative decoding; the server drafts only where it pays)", tensor="BOOL"),
     Parameter("chat", "boolean", False, "apply the model's chat template to the prompt",
               protocols=OIP, sampling=False),
     Parameter("timeout", "number", None, "seconds the request may run", low=0, low_open=True,

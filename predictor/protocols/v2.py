@@ -96,6 +96,9 @@ def details(finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
         "prompt_tokens": usage.prompt_tokens,
         "generated_tokens": usage.generated_tokens,
         "cached_tokens": usage.cached_tokens,  # prompt tokens taken from the prefix cache
+        # speculative decoding: draft tokens verified, and of them accepted
+        "draft_tokens": usage.draft_tokens,
+        "accepted_draft_tokens": usage.accepted_draft_tokens,
     }
 
 
@@ -105,6 +108,8 @@ def usage_parameters(completions: list[Completion]) -> dict[str, Any]:
         "prompt_tokens": sum(c.usage.prompt_tokens for c in completions),
         "generated_tokens": sum(c.usage.generated_tokens for c in completions),
         "cached_tokens": sum(c.usage.cached_tokens for c in completions),
+        "draft_tokens": sum(c.usage.draft_tokens for c in completions),
+        "accepted_draft_tokens": sum(c.usage.accepted_draft_tokens for c in completions),
         "finish_reason": ",".join(c.finish_reason.value for c in completions),
     }
 

@@ -132,9 +132,14 @@ def preemptions(loop: StepLoop) -> list[int]:
 
 
 def new_loop(
-    runner: Any, eos_ids: frozenset[int], max_batch_size: int = 8, max_step_tokens: int = 256
+    runner: Any,
+    eos_ids: frozenset[int],
+    max_batch_size: int = 8,
+    max_step_tokens: int = 256,
+    speculation: Any = None,
 ) -> StepLoop:
     """A step loop over the runner, with a block allocator the size of the runner's cache."""
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
-    scheduler = Scheduler(max_batch_size, 64, allocator, max_step_tokens=max_step_tokens)
+    scheduler = Scheduler(max_batch_size, 64, allocator, max_step_tokens=max_step_tokens,
+                          speculation=speculation)  # fmt: skip
     return StepLoop(runner, scheduler, eos_ids)

@@ -104,7 +104,8 @@ def test_bad_inputs() -> None:
 
 
 def test_response_rest_and_grpc() -> None:
-    done = [Completion("r", "héllo", FinishReason.LENGTH, Usage(3, 4, cached_tokens=2))]
+    usage = Usage(3, 4, cached_tokens=2, draft_tokens=6, accepted_draft_tokens=1)
+    done = [Completion("r", "héllo", FinishReason.LENGTH, usage)]
     rest = encode(_request(["a"]), done)
     body, _ = rest.to_rest()
     assert body["outputs"][0]["data"] == ["héllo"]
@@ -112,6 +113,8 @@ def test_response_rest_and_grpc() -> None:
         "prompt_tokens": 3,
         "generated_tokens": 4,
         "cached_tokens": 2,
+        "draft_tokens": 6,
+        "accepted_draft_tokens": 1,
         "finish_reason": "length",
     }
     msg = pb.ModelInferRequest(model_name="m", id="g")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +168,8 @@ class ModelRunner:
         self._completing: threading.Thread | None = None
         self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
         self.choices: autotune.Choices | None = None
+        # seconds of a step's matmuls by (fed tokens, logit rows), from the autotune's figures
+        self._step_cost: Callable[[int, int], float] | None = None
         dtype = self._embed.weight.dtype
         slots = num_blocks * block_size
         # per layer: keys then values of every token slot, plus one zero slot that padding
@@ -265,6 +267,8 @@ class ModelRunner:
             self._autotune_cache, self.kernel, self.batch_invariant, self._copies_after_ready,
         )  # fmt: skip
         autotune.log_choices(self.choices, threads)
+        kinds = [kind for _, kind in fused]
+        self._step_cost = autotune.step_cost(self.choices, linears, kinds, self._lm_head)
         later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
         logger.info("kernels: %.1f s (choices: %s)%s", time.perf_counter() - started,
                     self.choices.source.split(" ")[0], later)  # fmt: skip
@@ -310,6 +314,13 @@ class ModelRunner:
         return sum(t.numel() * t.element_size() for t in self._pools)
 
     @torch.inference_mode()
+    def step_cost(self, fed: int, logit_rows: int) -> float | None:
+        """What the autotune measured a step of `fed` tokens (`logit_rows` rows of logits)
+        costs on this machine, in seconds (None: not measured, e.g. a forced kernel)."""
+        if self._step_cost is None:
+            return None
+        return self._step_cost(fed, logit_rows)
+
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """Run one step; logits [sum of the rows' logit_count, V] (float32), in row order.
 

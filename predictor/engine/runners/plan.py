@@ -70,7 +70,8 @@ class StepPlan:
         """`queries_as_decode` (with `native`): every fed token attends as a decode row of its
         own (its row's blocks, keys up to its position), prompt chunks too, so a token's
         attention is computed the same way whether it was decoded, prefilled in any chunk, or
-        recomputed after a preemption (batch invariance: the runner's --batch-invariant)."""
+        recomputed after a preemption (batch invariance: the runner's --batch-invariant). A row
+        with drafts (before any prompt chunk: the scheduler's order) attends so too."""
         flat = flatten(rows, block_size)
         decode_tables: list[list[int]] = []
         decode_lengths: list[int] = []
@@ -78,7 +79,7 @@ class StepPlan:
         decode_rows = 0
         for row, first in zip(rows, flat.firsts, strict=True):
             count, end = len(row.tokens), row.start + len(row.tokens)
-            if queries_as_decode and native:
+            if native and (queries_as_decode or row.drafts) and not prefills:
                 decode_rows += count
                 decode_tables.extend([list(row.blocks)] * count)
                 decode_lengths.extend(range(row.start + 1, end + 1))

@@ -22,7 +22,7 @@ from openai.types.chat import (
 from openai.types.chat import chat_completion as chat
 from openai.types.chat import chat_completion_chunk as chunk
 from openai.types.chat.chat_completion_message_function_tool_call import Function
-from openai.types.completion_usage import PromptTokensDetails
+from openai.types.completion_usage import CompletionTokensDetails, PromptTokensDetails
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel
 
@@ -99,9 +99,18 @@ def _usage(request: OpenAIRequest, usages: Sequence[Usage]) -> CompletionUsage:
     prompt = sum(u.prompt_tokens for i, u in enumerate(usages) if i % request.n == 0)
     completion = sum(u.generated_tokens for u in usages)
     cached = sum(u.cached_tokens for i, u in enumerate(usages) if i % request.n == 0)
+    # speculative decoding's drafts, as OpenAI counts predicted outputs' tokens
+    accepted = sum(u.accepted_draft_tokens for u in usages)
+    rejected = sum(u.draft_tokens for u in usages) - accepted
+    details = None
+    if accepted or rejected:
+        details = CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected
+        )
     return CompletionUsage(
         prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        completion_tokens_details=details,
     )  # fmt: skip
 
 
