@@ -230,8 +230,11 @@ class StepLoop:
                     at.append(first + row.logit_count - 1)
             first += row.logit_count
         if sampled:
-            drafts = {id(request): d[0] for request, _, d in verifying}
-            self._accept(sampled, select_rows(logits, at), [drafts.get(id(r)) for r in sampled])
+            checked = None  # each row's first draft, where it has drafts
+            if verifying:
+                drafts = {id(request): d[0] for request, _, d in verifying}
+                checked = [drafts.get(id(r)) for r in sampled]
+            self._accept(sampled, select_rows(logits, at), checked)
         verified = self._verify(verifying, logits)
         computed = [len(row.tokens) for row in schedule.rows]
         for i, accepted in zip(drafted, verified.accepted, strict=True):

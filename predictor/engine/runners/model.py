@@ -38,6 +38,7 @@ from predictor.engine.runners.native import (
     usable_isas,
 )
 from predictor.engine.runners.plan import StepPlan
+from predictor.engine.runners.step_cost import step_cost
 from predictor.engine.step import StepRow
 from predictor.errors import NativeUnavailable, UnsupportedModel
 
@@ -268,7 +269,7 @@ class ModelRunner:
         )  # fmt: skip
         autotune.log_choices(self.choices, threads)
         kinds = [kind for _, kind in fused]
-        self._step_cost = autotune.step_cost(self.choices, linears, kinds, self._lm_head)
+        self._step_cost = step_cost(self.choices, linears, kinds, self._lm_head)
         later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
         logger.info("kernels: %.1f s (choices: %s)%s", time.perf_counter() - started,
                     self.choices.source.split(" ")[0], later)  # fmt: skip
