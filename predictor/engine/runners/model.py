@@ -435,9 +435,9 @@ class ModelRunner:
             pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
         out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
         if plan.decode_rows and self._native is not None:
-            tables, lengths, scratch = plan.native_args
+            tables, lengths, counts, scratch = plan.native_args
             self._native(
-                qkv, pool, tables, lengths, plan.decode_rows, self.scale, out, scratch,
+                qkv, pool, tables, lengths, counts, len(lengths), self.scale, out, scratch,
                 torch.get_num_threads(),  # --threads, on the step thread
             )  # fmt: skip
         elif plan.decode_rows:

@@ -82,8 +82,8 @@ THREADED: tuple[list[str], ...] = (["-march=native", "-fopenmp"], ["-march=nativ
 PROTOTYPES = {
     "decode_attention.c": """
         void decode_attention_bf16(ptr q, i64 q_stride, ptr pool, i64 slots, ptr tables,
-                                   i64 table_width, ptr lengths, i64 rows, i64 kv_heads,
-                                   f32 scale, ptr out, ptr scratch, i64 threads)""",
+                                   i64 table_width, ptr lengths, ptr counts, i64 rows,
+                                   i64 kv_heads, f32 scale, ptr out, ptr scratch, i64 threads)""",
     "int4_matmul.c": """
         void int4_repack(ptr codes, ptr scales, ptr zeros, i64 n, i64 k, i64 gs, ptr w)
         void gptq_unpack4(ptr qweight, i64 k, i64 n, ptr order, ptr codes)
@@ -151,13 +151,18 @@ class Tensor(Protocol):
     def stride(self, dim: int) -> int: ...
 
 
+# queries of one row the attention kernel takes in one pass over its keys (more: in passes)
+ATTENTION_QUERIES = 8
+
+
 @dataclass(frozen=True)
 class DecodeAttention:
     """decode_attention.c compiled for one shape; called with tensors (see the C file):
-    qkv bf16 [rows..][q_stride] (a row's query heads first), pool bf16 [2 kv_heads][slots][dim]
-    (keys, then values), tables int64 [rows..][width] (each row's cache blocks), lengths int64
-    [rows..], out bf16 [rows..][heads * dim], scratch fp32 (group * longest length); the first
-    `rows` rows attend."""
+    qkv bf16 [queries..][q_stride] (a query's heads first), pool bf16 [2 kv_heads][slots][dim]
+    (keys, then values), tables int64 [rows..][width] (each row's cache blocks), lengths and
+    counts int64 [rows..] (row r: counts[r] consecutive queries, the first seeing lengths[r]
+    keys, each next one key more), out bf16 [queries..][heads * dim], scratch fp32
+    (ATTENTION_QUERIES * group * the longest query's keys); the first `rows` rows attend."""
 
     kernel: Callable[..., None]  # the C function: addresses, as in PROTOTYPES
 
@@ -167,6 +172,7 @@ class DecodeAttention:
         pool: Tensor,
         tables: Tensor,
         lengths: Tensor,
+        counts: Tensor,
         rows: int,
         scale: float,
         out: Tensor,
@@ -175,7 +181,7 @@ class DecodeAttention:
     ) -> None:
         self.kernel(
             qkv.data_ptr(), qkv.stride(0), pool.data_ptr(), pool.shape[1], tables.data_ptr(),
-            tables.shape[1], lengths.data_ptr(), rows, pool.shape[0] // 2, scale,
+            tables.shape[1], lengths.data_ptr(), counts.data_ptr(), rows, pool.shape[0] // 2, scale,
             out.data_ptr(), scratch.data_ptr(), threads,
         )  # fmt: skip
 
@@ -186,7 +192,8 @@ def decode_attention(
 ) -> DecodeAttention:
     """The compiled kernel for these shapes (kept in `cache_dir`, the library cache, where
     given); NativeUnavailable (with the compiler's words) if it cannot be built here."""
-    defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}"]
+    defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}",
+               f"-DQUERIES={ATTENTION_QUERIES}"]  # fmt: skip
     lib = _build(defines, variants=THREADED, cache_dir=cache_dir)
     kernel = DecodeAttention(_bind(lib, "decode_attention_bf16"))
     logger.info("native decode attention ready (head_dim %d, group %d)", head_dim, group)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from predictor.engine.runners.native import ATTENTION_QUERIES
 from predictor.engine.step import StepRow
 
 
@@ -52,9 +53,11 @@ class StepPlan:
     # per prefill row: (first flat index, token count, slots of positions 0..end-1, mask)
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]]
     logit_rows: list[int]  # flat indexes of the tokens whose logits the step returns
-    # for the native kernel instead of decode_slots and decode_bias: block tables [d, widest]
-    # and lengths [d] (int64), scratch [group * longest] (float32)
-    native_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    # for the native kernel instead of decode_slots and decode_bias, per decode row (a row
+    # verifying drafts, or attending token by token, is one with several queries): block tables
+    # [r, widest], lengths [r] (the keys its first query sees) and counts [r] (its queries),
+    # int64; scratch (float32) for the kernel's passes over the longest row's keys
+    native_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
     @classmethod
     def build(
@@ -73,21 +76,24 @@ class StepPlan:
         recomputed after a preemption (batch invariance: the runner's --batch-invariant). A row
         with drafts (before any prompt chunk: the scheduler's order) attends so too."""
         flat = flatten(rows, block_size)
-        decode_tables: list[list[int]] = []
-        decode_lengths: list[int] = []
+        decode_tables: list[list[int]] = []  # per decode row: its blocks,
+        decode_lengths: list[int] = []  # the keys its first query sees,
+        decode_counts: list[int] = []  # its queries (each next one sees one key more)
         prefills: list[tuple[int, int, torch.Tensor, torch.Tensor | None]] = []
         decode_rows = 0
         for row, first in zip(rows, flat.firsts, strict=True):
             count, end = len(row.tokens), row.start + len(row.tokens)
             if native and (queries_as_decode or row.drafts) and not prefills:
                 decode_rows += count
-                decode_tables.extend([list(row.blocks)] * count)
-                decode_lengths.extend(range(row.start + 1, end + 1))
+                decode_tables.append(list(row.blocks))
+                decode_lengths.append(row.start + 1)
+                decode_counts.append(count)
                 continue
             if count == 1 and row.start > 0 and not prefills:
                 decode_rows += 1
                 decode_tables.append(list(row.blocks))
                 decode_lengths.append(end)
+                decode_counts.append(1)
                 continue
             slots = torch.tensor(slots_of(row.blocks, 0, end, block_size), device=device)
             mask = None
@@ -98,9 +104,9 @@ class StepPlan:
             prefills.append((first, count, slots, mask))
         decode_slots = torch.empty(0, dtype=torch.long)
         decode_bias = torch.empty(0)
-        native_args = (decode_slots, decode_slots, decode_bias)
+        native_args = (decode_slots, decode_slots, decode_slots, decode_bias)
         if decode_rows:
-            longest = max(decode_lengths)
+            longest = max(n + c - 1 for n, c in zip(decode_lengths, decode_counts, strict=True))
             widest = max(len(t) for t in decode_tables)
             tables = torch.tensor(
                 [t + [0] * (widest - len(t)) for t in decode_tables], device=device
@@ -112,9 +118,14 @@ class StepPlan:
                 or max(max(t) for t in decode_tables) >= pad_slot // block_size
             ):
                 raise ValueError("a block table names a block outside the cache")
-            lengths = torch.tensor(decode_lengths, dtype=torch.long)
-            native_args = (tables, lengths, torch.empty(group * longest))
-        elif decode_rows:
+            passes = min(max(decode_counts), ATTENTION_QUERIES)  # queries a pass over keys takes
+            native_args = (
+                tables,
+                torch.tensor(decode_lengths, dtype=torch.long),
+                torch.tensor(decode_counts, dtype=torch.long),
+                torch.empty(passes * group * longest),
+            )
+        elif decode_rows:  # (torch attention: one query a decode row)
             offsets = torch.arange(block_size, device=device).repeat(widest)
             decode_slots = (tables * block_size).repeat_interleave(block_size, dim=1) + offsets
             decode_slots = decode_slots[:, :longest].contiguous()  # [d, longest]

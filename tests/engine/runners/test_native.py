@@ -62,15 +62,51 @@ def test_kernel_matches_fp32_attention_over_scattered_blocks(
     # the queries as the runner holds them: q heads then k and v in one row
     qkv = torch.randn(len(lengths), (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
     out = torch.full((len(lengths), heads * dim), float("nan"), dtype=torch.bfloat16)
-    scratch = torch.empty((heads // kv_heads) * max(lengths))
+    scratch = torch.empty(native.ATTENTION_QUERIES * (heads // kv_heads) * max(lengths))
     row_lengths = torch.tensor(lengths)  # held: the kernel gets addresses only
-    kernel(qkv, pool, padded, row_lengths, len(lengths), dim**-0.5, out, scratch, threads)
+    ones = torch.ones(len(lengths), dtype=torch.long)
+    kernel(qkv, pool, padded, row_lengths, ones, len(lengths), dim**-0.5, out, scratch, threads)
     expected = reference(
         qkv[:, : heads * dim].view(len(lengths), heads, dim), pool, tables, lengths
     )
     assert torch.isfinite(out.float()).all()
     # bf16 output: within one rounding of values of magnitude <= ~4
     assert (out.float() - expected).abs().max() < 0.02
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_rows_queries_in_one_pass_equal_each_decoded_alone(threads: int) -> None:
+    """A row verifying drafts (or a prompt chunk attending token by token) passes its queries
+    together, query t seeing one key more than t - 1; each output is bit for bit the one that
+    query gets as a decode row of its own, however many queries share the pass (past
+    ATTENTION_QUERIES: in several passes)."""
+    heads, kv_heads, dim = 9, 3, 64
+    kernel = native.decode_attention(dim, heads // kv_heads, 16)
+    rng = random.Random(7)
+    free = list(range(40))
+    rng.shuffle(free)
+    pool = torch.randn(2 * kv_heads, 40 * 16 + 1, dim).to(torch.bfloat16)
+    # (keys the first query sees, queries): a decode row, drafts over a block edge, a long chunk
+    spans = [(30, 1), (14, 5), (100, 20), (1, 3)]
+    tables = [[free.pop() for _ in range((n + c + 14) // 16)] for n, c in spans]
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    queries = sum(c for _, c in spans)
+    qkv = torch.randn(queries, (heads + 2 * kv_heads) * dim).to(torch.bfloat16)
+    longest = max(n + c - 1 for n, c in spans)
+    scratch = torch.empty(native.ATTENTION_QUERIES * (heads // kv_heads) * longest)
+    together = torch.full((queries, heads * dim), float("nan"), dtype=torch.bfloat16)
+    lengths = torch.tensor([n for n, _ in spans])
+    counts = torch.tensor([c for _, c in spans])
+    kernel(qkv, pool, padded, lengths, counts, len(spans), dim**-0.5, together, scratch, threads)
+    alone_tables = torch.cat([padded[r : r + 1].expand(c, -1) for r, (_, c) in enumerate(spans)])
+    alone_lengths = torch.tensor([n + t for n, c in spans for t in range(c)])
+    alone = torch.full_like(together, float("nan"))
+    kernel(qkv, pool, alone_tables.contiguous(), alone_lengths, torch.ones(queries, dtype=torch.long),
+           queries, dim**-0.5, alone, scratch, threads)  # fmt: skip
+    assert torch.isfinite(together.float()).all()
+    assert torch.equal(together, alone)
 
 
 # a C parameter's type as PROTOTYPES shortens it
