@@ -158,12 +158,20 @@ llama-cpp-avx2: $(LLAMA_BIN)/llama-server
 # Side by side with vLLM-CPU and llama.cpp's llama-server, one server at a time (minutes; writes
 # load/RESULTS.md). SHAPE=smollm2-1.7b (llama-3.2-1b, qwen2.5-1.5b): at a real model's size,
 # random weights, ours against llama.cpp's Q4_0 and Q4_1 of the same weights, C=1 and 8, no vLLM.
+# WORKLOAD=speculation: the four request kinds of load/bench_speculation.py, ours with and
+# without speculative decoding against llama.cpp's --spec-type settings, C=1 and 16, no vLLM.
 SHAPE ?=
-bench-peers: install-dev model llama-cpp $(if $(SHAPE),,vllm)
+WORKLOAD ?=
+bench-peers: install-dev model llama-cpp $(if $(SHAPE)$(WORKLOAD),,vllm)
+ifeq ($(WORKLOAD),speculation)
+	$(BIN)/python -m load.bench_speculation --llama-server $(LLAMA_BIN)/llama-server \
+		--threads $(PEER_THREADS)
+else
 	$(BIN)/python -m load.bench_peers --vllm-python $(VLLM_VENV)/bin/python \
 		--llama-server $(LLAMA_BIN)/llama-server --llama-bench $(LLAMA_BIN)/llama-bench \
 		--threads $(PEER_THREADS) \
 		$(if $(SHAPE),--shape $(SHAPE),--concurrency $(PEER_CONCURRENCY))
+endif
 
 # Where a Docker engine exists (none on the CI machines: tests/deploy checks the Dockerfile).
 image:

@@ -78,11 +78,11 @@ class Settings:
     kv_block_size: int = 16  # tokens per KV-cache block
     prefix_caching: bool = True  # reuse cached blocks of prompts that start alike
     max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
-    # speculative decoding without a draft model: off | ngram | suffix (drafting only in
-    # steps where the measured cost says it pays). Off by default until free chat holds its
-    # speed with it on (load/RESULTS.md: 0.84x today)
-    speculative: str = "off"
-    num_speculative_tokens: int = 4  # draft tokens a row verifies at most per step
+    # speculative decoding without a draft model: off | ngram | suffix; a row drafts only
+    # while the steps' measured cost says its drafts pay (so it is on by default: where
+    # nothing is copied, or under load, it switches itself off)
+    speculative: str = "suffix"
+    num_speculative_tokens: int = 8  # draft tokens a row verifies at most per step
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
     max_waiting: int = 64
@@ -232,9 +232,9 @@ _HELP = {
     "a long prompt's prefill may pause the running streams",
     "speculative": "speculative decoding without a draft model: 'ngram' drafts from the "
     "request's own prompt and output (prompt lookup), 'suffix' also from recent answers of "
-    "requests with the same cache_salt; a step drafts only where the kernels' measured cost "
-    "says the expected accepted tokens pay for it (so it switches itself off under load); "
-    "'off' never drafts",
+    "requests with the same cache_salt; a row drafts only while the steps' measured cost says "
+    "its expected accepted tokens pay for it (so it switches itself off under load and where "
+    "nothing is copied); 'off' never drafts",
     "num_speculative_tokens": "draft tokens a row verifies at most per step",
     "max_waiting": "most requests waiting for a batch row; more are refused",
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",

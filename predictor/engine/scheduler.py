@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.request import Request
-from predictor.engine.speculation import Policy, Proposer, expected_accepted
+from predictor.engine.speculation import Policy, Proposer
 from predictor.engine.step import StepRow
 from predictor.errors import Overloaded
 
@@ -300,10 +300,10 @@ class Scheduler:
             proposed = proposed[: self._room(request, len(proposed))]
             if proposed:
                 candidates.append((request, proposed))
-                offers.append((len(proposed), expected_accepted(len(proposed), state.acceptance)))
+                offers.append((len(proposed), state.acceptance))
         if not candidates:
             return {}
-        granted = policy.choose(len(decoding), len(decoding), offers)
+        granted = policy.choose(len(decoding), offers)
         chosen: dict[int, list[int]] = {}
         for (request, proposed), count in zip(candidates, granted, strict=True):
             count = min(count, spare)
@@ -311,6 +311,15 @@ class Scheduler:
                 chosen[id(request)] = proposed[:count]
                 spare -= count
         return chosen
+
+    def timed(self, schedule: Schedule, seconds: float) -> None:
+        """The step of `schedule` took `seconds` (its forward pass and sampling): what the
+        speculation policy learns a step's cost from (decode steps only: no prompt chunk)."""
+        if self.speculation is None or not schedule.rows:
+            return
+        rows = schedule.decode_rows + schedule.verify_rows
+        if rows == len(schedule.rows):
+            self.speculation[1].observe(rows, schedule.tokens - rows, seconds)
 
     def _room(self, request: Request, wanted: int) -> int:
         """How many draft positions the row's blocks can hold past its next token, taking at

@@ -139,7 +139,9 @@ class StepLoop:
         self._retire()
         schedule = self.scheduler.schedule()
         self._start(schedule)
+        started = time.perf_counter()
         sampled, verified = self._forward(schedule) if schedule.rows else (0, Verified())
+        self.scheduler.timed(schedule, time.perf_counter() - started)
         self.scheduler.remove_finished()
         return self._stats(schedule, sampled, verified)
 

@@ -19,7 +19,6 @@ from predictor.engine.speculation import (
     Policy,
     Proposer,
     SpeculationConfig,
-    expected_accepted,
 )
 from predictor.engine.step import StepStats
 from predictor.model.loader import LoadedModel, load_checkpoint
@@ -67,10 +66,20 @@ class Oracle(Corrupting):
         return []
 
 
+class Always(Policy):
+    """Grants every draft offered, whatever the steps cost."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def choose(self, rows: int, offers: Any) -> list[int]:
+        return [count for count, _ in offers]
+
+
 def free_drafts(mode: str = "ngram", k: int = 4) -> tuple[Proposer, Policy]:
-    """Drafts every step they are offered (a step costs the same whatever it feeds), some
-    accepted, some rejected at the first position, some after it."""
-    return Corrupting(SpeculationConfig(mode, k)), Policy(lambda fed, rows: 1.0)
+    """Drafts every step they are offered, some accepted, some rejected at the first position,
+    some after it."""
+    return Corrupting(SpeculationConfig(mode, k)), Always()
 
 
 # -- proposers and policy (no model) --------------------------------------------------------------
@@ -106,17 +115,61 @@ def test_the_global_index_is_bounded() -> None:
     assert index.propose([997, 998], 1, 1) == ([999], 2)  # the newest contexts stay
 
 
-def test_policy_drafts_while_cheap_and_stops_under_load() -> None:
-    # a CPU's decode: weights read once a step (10 ms), 0.2 ms per token fed
-    policy = Policy(lambda fed, rows: 0.010 + 0.0002 * fed)
-    sure = expected_accepted(4, 0.8)
-    assert policy.choose(1, 1, [(4, sure)]) == [4]
-    assert policy.choose(1, 1, [(4, expected_accepted(4, 0.02))]) == [0]  # never accepted
-    # 64 rows: the step is compute-bound, each drafted token costs nearly a row's share
-    busy = Policy(lambda fed, rows: 0.0002 * fed)
-    assert busy.choose(64, 64, [(4, sure)] * 64) == [0] * 64
-    # unmeasured: a step costs 10% more per extra token
-    assert Policy(None).choose(1, 1, [(4, sure)]) == [4]
+def test_many_salts_share_one_bound() -> None:
+    """A client sending a new cache_salt with every request grows no index past the bound."""
+    proposer = Proposer(SpeculationConfig("suffix", 4, min_n=2, global_entries=300))
+    for tenant in range(200):
+        proposer.finished([1, 2, 3, 40 + tenant, 41, 42, 43], 3, f"salt-{tenant}")
+    assert len(proposer._global) == 300
+    asking = [9, 9, 40 + 199, 41]  # the latest tenant's answer is still there, for it only
+    assert proposer.propose(proposer.state(), asking, "salt-199", 2) == [42, 43]
+    assert proposer.propose(proposer.state(), asking, "salt-198", 2) == []
+
+
+def test_policy_grants_drafts_while_they_add_tokens_faster_than_the_step() -> None:
+    # the runner's matmul figures: 10 ms a step, 0.2 ms per token fed
+    policy = Policy(lambda fed, rows: 0.010 + 0.0002 * fed, explore_every=1000)
+    assert policy.choose(1, [(4, 0.9)]) == [0]  # first a plain step, measured
+    policy.observe(1, 0, 0.015)
+    assert policy.choose(1, [(4, 0.9)]) == [4]  # a draft costs 0.2 ms, as the figures say
+    # measured: 4 drafts made the step 12 ms longer (3 ms each, a fifth of a step)
+    policy.observe(1, 4, 0.027)
+    assert policy.per_draft(1) == pytest.approx(0.003)
+    assert policy.choose(1, [(4, 0.9)]) == [4]  # 0.9 ** 4 = 0.66 of a token for 3 ms
+    assert policy.choose(1, [(4, 0.3)]) == [1]  # its second: 0.09 of a token, too dear
+    assert policy.choose(1, [(4, 0.15)]) == [0]  # free chat: nothing pays
+    # two rows: the likelier drafts first, and they raise the bar: after them a draft of the
+    # doubtful row (0.4 of a token) adds tokens slower than the step now makes them
+    policy.observe(2, 0, 0.016)
+    assert policy.choose(2, [(4, 0.4), (4, 0.95)]) == [0, 4]
+    assert policy.choose(2, [(4, 0.4), (0, 0.95)]) == [1, 0]
+    # 16 rows: a draft must make nearly a row's share of the step's tokens
+    policy.observe(16, 0, 0.040)
+    policy.observe(16, 16, 0.080)  # 2.5 ms each
+    assert policy.choose(16, [(4, 0.9)] * 16) == [0] * 16
+    assert policy.choose(16, [(4, 0.9)] * 16) == [0] * 16
+
+
+def test_policy_tries_a_declined_draft_again_now_and_then() -> None:
+    policy = Policy(None, explore_every=3)
+    policy.observe(1, 0, 0.010)
+    policy.observe(1, 1, 0.030)  # measured in a noisy moment: 20 ms a draft
+    assert [policy.choose(1, [(2, 0.8)]) for _ in range(3)] == [[0], [0], [1]]
+    policy.observe(1, 1, 0.011)  # measured again
+    assert policy.per_draft(1) < 0.020
+    # unmeasured, no figures: a draft costs a tenth of a plain step
+    fresh = Policy(None)
+    fresh.observe(4, 0, 0.020)
+    assert fresh.per_draft(4) == pytest.approx(0.002)
+
+
+def test_a_new_row_starts_from_the_recent_rows_acceptance() -> None:
+    proposer = Proposer(SpeculationConfig("ngram", 4))
+    first = proposer.state()
+    for _ in range(20):
+        first.observe(4, 0)  # nothing accepted, again and again
+    assert first.acceptance < 0.01
+    assert proposer.state().acceptance < 0.1  # free chat: the next row starts doubtful
 
 
 # -- the step loop ------------------------------------------------------------------------------
@@ -186,6 +239,30 @@ def test_greedy_tokens_are_the_same_with_and_without_drafts(tiny_dense: Tiny) ->
     for s in stats:  # per position: no more rows kept a later draft than an earlier one
         assert list(s.accepted_per_position) == sorted(s.accepted_per_position, reverse=True)
         assert sum(s.accepted_per_position) == s.accepted_tokens
+
+
+class Timed(Always):
+    """Grants every draft and keeps what the step loop reports of each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[tuple[int, int, float]] = []
+
+    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        self.steps.append((rows, drafts, seconds))
+        super().observe(rows, drafts, seconds)
+
+
+def test_the_step_loop_times_each_decode_step_for_the_policy(tiny_dense: Tiny) -> None:
+    prompts = copying_prompts(tiny_dense, 5, seed=4)
+    params = [SamplingParams(max_tokens=12 + i, ignore_eos=True) for i in range(5)]
+    policy = Timed()
+    _, requests, stats = run(tiny_dense, prompts, params, (Corrupting(SpeculationConfig()), policy))
+    assert len(policy.steps) < len(stats)  # the steps with a prompt chunk are not timed
+    assert all(rows >= 1 and seconds > 0 for rows, _, seconds in policy.steps)
+    assert sum(d for _, d, _ in policy.steps) == sum(r.draft_tokens for r in requests) > 0
+    assert any(d == 0 for _, d, _ in policy.steps)  # plain steps too (the steps' first)
+    assert policy.plain(1) > 0 and policy.per_draft(1) >= 0
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_and_without_drafts(tiny_dense: Tiny) -> None:
@@ -354,7 +431,7 @@ def test_on_the_native_kernels_batch_invariant_drafts_change_no_token(bf16: Load
 
     plain, _ = serve(None)
     oracle = Oracle(SpeculationConfig("ngram", 4), list(zip(prompts, plain, strict=True)))
-    drafted, requests = serve((oracle, Policy(lambda fed, rows: 1.0)))
+    drafted, requests = serve((oracle, Always()))
     assert drafted == plain
     assert len({t for row in plain for t in row}) > 20  # not one token repeated
     assert 0 < sum(r.accepted_tokens for r in requests) < sum(r.draft_tokens for r in requests)
