@@ -60,6 +60,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # False: this request never drafts tokens (speculative decoding), whatever the server does
     speculative: bool = True
+    # vLLM's: lower runs sooner; under pressure the highest is preempted first (then the newest)
+    priority: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -2,15 +2,21 @@
 
 `schedule()` (vLLM v1's `Scheduler.schedule`) makes one `Schedule`: it admits waiting requests
 within the row limit and the KV-cache blocks (each takes its cached prefix and blocks for the rest
-of its prompt), gives each decoding row the block its next token needs (preempting the most
-recently admitted rows when the cache is dry), and spends the step's token budget: every decoding
-row one token first, then prompt chunks (chunked prefill: a long prompt never stalls the running
-streams for more than a chunk). `update()` books what a forward pass computed: the rows' cache
-positions, and the blocks that filled up offered to the prefix cache.
+of its prompt), gives each decoding row the block its next token needs (preempting when the cache
+is dry), and spends the step's token budget: every decoding row one token first, then prompt
+chunks (chunked prefill: a long prompt never stalls the running streams for more than a chunk).
+`update()` books what a forward pass computed: the rows' cache positions, and the blocks that
+filled up offered to the prefix cache.
 
-Preemption by recompute (vLLM's): a preempted row gives back its blocks and goes back to the head
-of the queue with its output so far; readmitted, it prefills prompt + output (mostly from its own
-blocks, still cached unless evicted) and samples on from where it stopped.
+Order (vLLM's priority scheduling): a request's `priority` (lower runs sooner, default 0), then
+its arrival. The queue is kept in that order; the row preempted when the cache is dry is the
+last in that order, and a waiting request that does not fit preempts running rows that come
+after it. With every priority 0 this is first come, first served, preempting the newest.
+
+Preemption by recompute (vLLM's): a preempted row gives back its blocks and goes back to the
+queue in its place (ahead of every later arrival of its priority) with its output so far;
+readmitted, it prefills prompt + output (mostly from its own blocks, still cached unless evicted)
+and samples on from where it stopped.
 
 Thread-safety: adapters add requests from the event loop thread (`add`, `add_all`) and read
 `waiting` and `rows`; everything else runs on the step loop's thread.
@@ -18,8 +24,8 @@ Thread-safety: adapters add requests from the event loop thread (`add`, `add_all
 
 from __future__ import annotations
 
+import bisect
 import threading
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -28,6 +34,12 @@ from predictor.engine.request import Request
 from predictor.engine.speculation import Policy, Proposer
 from predictor.engine.step import StepRow
 from predictor.errors import Overloaded
+
+
+def order(request: Request) -> tuple[int, float]:
+    """Who comes first: a lower priority (vLLM's: lower runs sooner), then the earlier
+    arrival."""
+    return request.params.priority, request.arrival
 
 
 @dataclass
@@ -94,7 +106,7 @@ class Scheduler:
         # speculative decoding: who drafts, and whether a step's drafts pay (None: off)
         self.speculation = speculation
         self.running: list[Request] = []  # admitted, holding blocks, oldest first
-        self._waiting: deque[Request] = deque()
+        self._waiting: list[Request] = []  # in `order`
         self._lock = threading.Lock()
 
     # -- the queue (any thread) -----------------------------------------------------------------
@@ -104,7 +116,7 @@ class Scheduler:
                 raise Overloaded(
                     f"server is busy: {len(self._waiting)} requests already waiting; retry later"
                 )
-            self._waiting.append(request)
+            bisect.insort_right(self._waiting, request, key=order)
 
     def add_all(self, requests: list[Request]) -> None:
         """Queue every one of `requests` or none (Overloaded): a request with several prompts
@@ -115,7 +127,8 @@ class Scheduler:
                     f"server is busy: {len(self._waiting)} requests already waiting, "
                     f"{len(requests)} more do not fit; retry later"
                 )
-            self._waiting.extend(requests)
+            for request in requests:
+                bisect.insort_right(self._waiting, request, key=order)
 
     def waiting(self) -> int:
         return len(self._waiting)
@@ -129,7 +142,7 @@ class Scheduler:
         with self._lock:
             gone = [r for r in self._waiting if r.aborted]
             if gone:
-                self._waiting = deque(r for r in self._waiting if not r.aborted)
+                self._waiting = [r for r in self._waiting if not r.aborted]
         return gone
 
     def drop_expired(self, now: float) -> list[Request]:
@@ -137,7 +150,7 @@ class Scheduler:
         with self._lock:
             gone = [r for r in self._waiting if r.deadline is not None and now >= r.deadline]
             if gone:
-                self._waiting = deque(r for r in self._waiting if r not in gone)
+                self._waiting = [r for r in self._waiting if r not in gone]
         return gone
 
     def drain(self) -> list[Request]:
@@ -151,7 +164,7 @@ class Scheduler:
     def schedule(self) -> Schedule:
         """Admission, growth and preemption, then each running row's tokens for this step."""
         schedule = Schedule()
-        for request in self.admit():
+        for request in self.admit(schedule):
             if request.echo_only and not request.scoring and not request.preemptions:
                 schedule.echoed.append(request)
                 self.free(request)
@@ -167,9 +180,10 @@ class Scheduler:
         schedule.check()
         return schedule
 
-    def admit(self) -> list[Request]:
-        """Take waiting requests, oldest first, while rows and KV-cache blocks allow (they are
-        not running yet: `schedule` adds them).
+    def admit(self, schedule: Schedule | None = None) -> list[Request]:
+        """Take waiting requests, in order, while rows and KV-cache blocks allow (they are
+        not running yet: `schedule` adds them); where the next does not fit, running rows that
+        come after it in order (a lower priority) are preempted to make room (into `schedule`).
 
         A request takes the blocks of its longest cached prefix (never its last token: that
         one's logits are needed) and new blocks for the rest of its prompt, when that leaves a
@@ -182,18 +196,25 @@ class Scheduler:
         cache = self.allocator
         size = cache.block_size
         headroom = max(1, cache.num_blocks // 100)  # vLLM's watermark: 1% of the blocks
-        running = len(self.running)
         with self._lock:
-            while self._waiting and running + len(admitted) < self.max_batch_size:
+            while self._waiting:
                 request = self._waiting[0]
+                running = len(self.running) + len(admitted)
                 total = request.total_tokens
                 hit: list[int] = []
                 if self.prefix_caching and not request.scoring:  # scored positions are computed
                     hit = cache.match(request.block_keys((total - 1) // size, size))
                 new = blocks_for(total, size) - len(hit)
-                spare = headroom if running + len(admitted) else 0
-                if cache.available - cache.unheld(hit) < new + spare:
-                    break
+                spare = headroom if running else 0
+                if running >= self.max_batch_size or (
+                    cache.available - cache.unheld(hit) < new + spare
+                ):
+                    last = max(self.running, key=order, default=None)
+                    if schedule is None or last is None or order(last)[0] <= order(request)[0]:
+                        break
+                    self._preempt(last, schedule, queue=False)  # the lock is held: below
+                    bisect.insort_right(self._waiting, last, key=order)
+                    continue
                 cache.share(hit)
                 # room to grow adjacent: the output's blocks, up to 16 of them
                 grow = blocks_for(min(request.params.max_tokens, 16 * size), size)
@@ -202,12 +223,12 @@ class Scheduler:
                 request.registered = len(hit)
                 if not request.preemptions:
                     request.cached_prompt_tokens = request.cached
-                admitted.append(self._waiting.popleft())
+                admitted.append(self._waiting.pop(0))
         return admitted
 
     def _grow(self, schedule: Schedule) -> None:
-        """Give each decoding row, oldest first, the block its next token needs; when none is
-        available, preempt the most recently admitted row (the row itself, if it is that)."""
+        """Give each decoding row, in order, the block its next token needs; when none is
+        available, preempt the last running row in order (the row itself, if it is that)."""
         rows = self.running
         size = self.allocator.block_size
         i = 0
@@ -216,8 +237,13 @@ class Scheduler:
             if request.cached < len(request.blocks) * size:  # prompts got theirs at admission
                 i += 1
                 continue
-            while not self.allocator.available and rows[-1] is not request:
-                self._preempt(rows[-1], schedule)
+            while not self.allocator.available:
+                last = max(rows, key=order)
+                if last is request:
+                    break
+                if rows.index(last) < i:  # a row before this one: the list shifts
+                    i -= 1
+                self._preempt(last, schedule)
             if not self.allocator.available:
                 self._preempt(request, schedule)
                 continue
@@ -225,17 +251,18 @@ class Scheduler:
             request.blocks.extend(self.allocator.allocate(1, after))
             i += 1
 
-    def _preempt(self, request: Request, schedule: Schedule) -> None:
-        """Take the row out of the batch, free its blocks and queue it to be recomputed at the
-        head of the queue (past the waiting limit: it was admitted once); preempting newest
-        first and requeueing each at the head keeps the older ones first."""
+    def _preempt(self, request: Request, schedule: Schedule, queue: bool = True) -> None:
+        """Take the row out of the batch, free its blocks and queue it to be recomputed, in
+        its place in order (past the waiting limit: it was admitted once); `queue` False:
+        the caller holds the queue's lock and queues it."""
         self.running.remove(request)
         self.free(request)
         request.cached = request.registered = 0
         request.preemptions += 1
         schedule.preempted.append(request)
-        with self._lock:
-            self._waiting.appendleft(request)
+        if queue:
+            with self._lock:
+                bisect.insort_right(self._waiting, request, key=order)
 
     def _plan(self, schedule: Schedule) -> None:
         """Every decoding row one token (some with drafts to verify), then prompt chunks

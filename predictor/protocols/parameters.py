@@ -114,6 +114,9 @@ TABLE: tuple[Parameter, ...] = (
               field="grammar"),
     Parameter("speculative", "boolean", True, "false: this request never drafts tokens "
               "(speculative decoding; the server drafts only where it pays)", tensor="BOOL"),
+    Parameter("priority", "integer", 0, "vLLM's: requests with a lower value are admitted "
+              "first and preempted last (then first come, first served)", low=-(2**31),
+              high=2**31 - 1, tensor="INT32"),
     Parameter("chat", "boolean", False, "apply the model's chat template to the prompt",
               protocols=OIP, sampling=False),
     Parameter("timeout", "number", None, "seconds the request may run", low=0, low_open=True,

@@ -137,3 +137,63 @@ def test_an_echo_only_request_is_admitted_and_released_with_nothing_to_run() -> 
     schedule = s.schedule()
     assert schedule.echoed == [echo] and not schedule.rows and not s.running
     assert cache.used == 0
+
+
+def prioritized(prompt_len: int, priority: int, rid: str):  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=40, priority=priority)
+    return make_sequence(NoDecoder(), [1] * prompt_len, params, rid)[0]
+
+
+def test_the_queue_admits_by_priority_then_arrival() -> None:
+    s = Scheduler(max_batch_size=1, max_waiting=10, allocator=BlockAllocator(64, 4))
+    late, urgent, later, urgent_too = (prioritized(4, p, r) for p, r in
+                                       [(0, "late"), (-5, "urgent"), (0, "later"), (-5, "too")])  # fmt: skip
+    for request in (late, urgent, later, urgent_too):
+        s.add(request)
+    admitted = []
+    for _ in range(4):
+        admitted += s.schedule().admitted
+        s.running[0].finish_reason = FinishReason.LENGTH
+        s.remove_finished()
+    assert admitted == [urgent, urgent_too, late, later]
+
+
+def test_a_waiting_request_preempts_running_rows_of_a_lower_priority() -> None:
+    s = Scheduler(max_batch_size=2, max_waiting=10, allocator=BlockAllocator(64, 4))
+    batch, equal = prioritized(4, 3, "batch"), prioritized(4, 0, "equal")
+    s.add(batch)
+    s.add(equal)
+    assert s.schedule().admitted == [equal, batch]
+    same = prioritized(4, 3, "same")
+    s.add(same)  # the batch is full: a request no more urgent than any running row waits
+    assert s.schedule().preempted == [] and s.waiting() == 1
+    urgent = prioritized(4, -1, "urgent")
+    s.add(urgent)  # it goes first, and takes the row of the lowest priority
+    schedule = s.schedule()
+    assert schedule.preempted == [batch] and schedule.admitted == [urgent]
+    assert s.running == [equal, urgent] and batch.blocks == [] and batch.preemptions == 1
+    assert s.waiting() == 2 and s._waiting == [batch, same]  # priority 3, by arrival
+    s.allocator.audit([equal.blocks, urgent.blocks])
+
+
+def test_a_dry_cache_preempts_the_lowest_priority_row_first() -> None:
+    cache = BlockAllocator(num_blocks=7, block_size=4)
+    s = Scheduler(max_batch_size=3, max_waiting=10, allocator=cache, prefix_caching=False)
+    background, normal, urgent = (prioritized(8, p, r) for p, r in
+                                  [(5, "background"), (0, "normal"), (-1, "urgent")])  # fmt: skip
+    s.add(background)  # alone: the oldest row, and the least urgent
+    first = s.schedule()
+    s.update(first)
+    background.output_ids.append(7)
+    s.add(normal)
+    s.add(urgent)
+    second = s.schedule()  # both admitted, and the background row takes the last block
+    assert second.admitted == [urgent, normal] and cache.available == 0
+    s.update(second)
+    for request in (normal, urgent):
+        request.output_ids.append(7)
+    # the newer rows need a block each: the background row goes, not the newest
+    third = s.schedule()
+    assert third.preempted == [background]
+    assert s.running == [urgent, normal] and [len(r.blocks) for r in s.running] == [3, 3]
+    assert s._waiting == [background]
