@@ -61,6 +61,8 @@ class Settings:
     host: str = "127.0.0.1"
     http_port: int = 8080
     grpc_port: int = 8081
+    ssl_certfile: str = ""  # REST over HTTPS with this certificate and key (vLLM's flags)
+    ssl_keyfile: str = ""
     enable_grpc: bool = True
     threads: int = 0  # 0: every core this process may use but one (SERVING_CORES)
     device: str = "auto"  # auto | cpu | cuda
@@ -153,6 +155,11 @@ class Settings:
                 f"--speculative must be one of {', '.join(SPECULATIVE)} and "
                 "--num-speculative-tokens between 1 and 16"
             )
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        for path in (self.ssl_certfile, self.ssl_keyfile):
+            if path and not Path(path).is_file():
+                raise ValueError(f"no such file: {path} (--ssl-certfile / --ssl-keyfile)")
         if self.runner not in ("model", "null"):
             raise ValueError(f"--runner must be model or null, got {self.runner!r}")
         limits = (self.max_prompts, self.max_body_bytes, self.max_json_depth,
@@ -197,9 +204,13 @@ def _bool(text: str) -> bool:
 
 _HELP = {
     "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models)",
-    "model_name": "name served under /v2/models/{name} (default: the folder's name)",
+    "model_name": "name served under /v2/models/{name} and as the OpenAI model (default: the "
+    "folder's name; also --served-model-name, vLLM's name)",
     "host": "address to listen on (the container passes 0.0.0.0)",
-    "http_port": "REST port",
+    "http_port": "REST port (also --port, vLLM's name)",
+    "ssl_certfile": "serve REST over HTTPS with this certificate (PEM; reloaded when renewed, "
+    "as KServe's LLMInferenceService mounts them); with --ssl-keyfile",
+    "ssl_keyfile": "the private key of --ssl-certfile (PEM)",
     "grpc_port": "gRPC port",
     "enable_grpc": "serve gRPC",
     "threads": "compute threads (0: the cores available to the process but one, at least 1)",
@@ -303,6 +314,14 @@ def _otel_default(name: str, env: Mapping[str, str], default: str) -> str:
     return value
 
 
+# the same settings under `vllm serve`'s flag names (a deployment written for vLLM, such as
+# KServe's LLMInferenceService, passes these)
+VLLM_FLAGS = {
+    "http_port": ("--port",),
+    "model_name": ("--served-model-name",),
+}
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m predictor",
@@ -326,6 +345,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 parser.error(f"{env_name}={env[env_name]!r} is not a valid {kind.__name__}")
         parser.add_argument(
             flag,
+            *VLLM_FLAGS.get(f.name, ()),
             dest=f.name,
             type=convert,
             default=default,

@@ -104,3 +104,18 @@ def test_opentelemetry_variables_and_payload_settings() -> None:
         Settings.from_sources(["--log-payloads", "hash"], {})
     with pytest.raises(SystemExit):
         Settings.from_sources(["--log-payloads", "everything"], {})
+
+
+def test_vllm_flag_names_set_the_same_settings(tmp_path: Path) -> None:
+    """What `vllm serve` is given (KServe's LLMInferenceService passes vLLM's flags)."""
+    s = Settings.from_sources(["--port", "8000", "--served-model-name", "smollm"], {})
+    assert s.http_port == 8000 and s.model_name == "smollm"
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert.write_text("x")
+    key.write_text("x")
+    tls = Settings.from_sources(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], {})
+    assert (tls.ssl_certfile, tls.ssl_keyfile) == (str(cert), str(key))
+    with pytest.raises(ValueError, match="go together"):
+        Settings.from_sources(["--ssl-certfile", str(cert)], {})
+    with pytest.raises(ValueError, match="no such file"):
+        Settings.from_sources(["--ssl-certfile", str(cert), "--ssl-keyfile", "/nowhere"], {})

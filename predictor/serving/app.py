@@ -22,7 +22,7 @@ from predictor.serving import internals
 from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
 from predictor.serving.probe_logs import quiet_probes
-from predictor.serving.rest import completions, oip
+from predictor.serving.rest import completions, health, oip
 from predictor.serving.rest.body import BodyGuard
 from predictor.serving.rest.meta import RequestMetaBinder
 from predictor.serving.rest.triton_admin import build_triton_router
@@ -191,6 +191,7 @@ class PredictorServer(ModelServer):
                 # before KServe registers its own routes: ours answer GET /v1/models in both
                 completions.build_router(self.served_model, self.model_names),
                 build_triton_router(self.served_model, self.served_models),
+                health.build_router(self.dataplane),
             ],
             handlers=handlers,
         )
@@ -201,4 +202,6 @@ class PredictorServer(ModelServer):
             handlers,
             self._build_grpc_server if self.enable_grpc else None,
             self.drain.on_signal,
+            settings.ssl_certfile or None,
+            settings.ssl_keyfile or None,
         )

@@ -159,8 +159,11 @@ def start_servers(
     rest_handlers: Sequence[tuple[type[Exception], ExceptionHandler]],
     grpc_server: Callable[[], PredictorGRPCServer] | None,
     on_signal: Callable[[int, Any], None],
+    ssl_certfile: str | None = None,
+    ssl_keyfile: str | None = None,
 ) -> None:
-    """What `ModelServer.start` does for one worker, with our servers on our host."""
+    """What `ModelServer.start` does for one worker, with our servers on our host (REST over
+    HTTPS where a certificate and key are given: KServe's server reloads them when renewed)."""
     server._register_and_check_atleast_one_model_is_ready(models)
     rest = PredictorRESTServer(
         FASTAPI_APP_IMPORT_STRING,
@@ -172,6 +175,8 @@ def start_servers(
         grace_period=server.grace_period,
         event_loop=server.event_loop,
         timeout_keep_alive=server.timeout_keep_alive,
+        ssl_certfile=ssl_certfile,
+        ssl_keyfile=ssl_keyfile,
     )
     rest.handlers = rest_handlers
     rest.config.host = host

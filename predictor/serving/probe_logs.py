@@ -15,7 +15,7 @@ PROBE_LOGGERS = ("uvicorn.access", "kserve.trace")
 # uvicorn.access: '... "GET /v2/health/ready HTTP/1.1" 200'; kserve.trace: 'kserve.io.metrics: ...'
 _PROBE = re.compile(
     r'"(GET|HEAD) (/v2/health/(ready|live)|/v2/models/[^/ ]+(/versions/[^/ ]+)?/ready'
-    r"|/v2|/v1/models/[^/ ]+|/metrics)[ ?]"
+    r"|/v2|/v1/models/[^/ ]+|/metrics|/health)[ ?]"
     r"|^kserve\.io\.(v2\.health\.(ready|live)|v2\.models\.\S+\.ready|metrics|v2):"
 )
 

@@ -27,6 +27,7 @@ KINDS = {
     "standard": {"InferenceService", "PodDisruptionBudget"},
     "inference-pool": {"InferenceService", "PodDisruptionBudget", "InferencePool", "HTTPRoute"}
     | CORE,
+    "llm-inference-service": {"LLMInferenceService"},
 }
 
 
@@ -141,6 +142,13 @@ def edit(kind: str, change: Callable[[Doc], None]) -> Change:
 
 def container0(doc: Doc) -> Doc:
     return doc["spec"]["template"]["spec"]["containers"][0]
+
+
+def main_script(doc: Doc, old: str, new: str) -> None:
+    """Change the LLMInferenceService's engine command (`sh -c SCRIPT`)."""
+    (main,) = [c for c in doc["spec"]["template"]["containers"] if c["name"] == "main"]
+    assert old in main["command"][2]
+    main["command"][2] = main["command"][2].replace(old, new)
 
 
 def _runtime_container(docs: list[Doc]) -> Doc:
@@ -393,6 +401,40 @@ BROKEN: dict[str, tuple[str, Change, str]] = {
         ),
         "does not match",
     ),
+    # LLMInferenceService
+    "llmisvc: no model uri": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: d["spec"]["model"].pop("uri")),
+        "spec.model.uri: required",
+    ),
+    "llmisvc: replicas and scaling": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: d["spec"].update(scaling={"maxReplicas": 2})),
+        "replicas and scaling are mutually exclusive",
+    ),
+    "llmisvc: vLLM's port left": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: main_script(d, "--port 8000", "--port 8080")),
+        "not 0.0.0.0:8000",
+    ),
+    "llmisvc: certificate only when TLS is off": (
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: main_script(
+                d, "{{ if .GlobalConfig.EnableTLS }}", "{{ if not .GlobalConfig.EnableTLS }}"
+            ),
+        ),
+        "template this check does not know",
+    ),
+    "llmisvc: a flag we do not have": (
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: main_script(d, "--port 8000", "--port 8000 --tensor-parallel-size 1"),
+        ),
+        "rejects",
+    ),
     "rules: record and alert": (
         "observability",
         edit("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(alert="X")),
@@ -421,7 +463,7 @@ def test_broken_sample_is_caught(case: str) -> None:
 def test_every_new_kind_has_a_broken_sample() -> None:
     prefixes = {case.split(":")[0] for case in BROKEN}
     assert prefixes == {"runtime", "isvc", "pdb", "pool", "picker", "service", "rbac", "route",
-                        "rules", "dashboard"}  # fmt: skip
+                        "rules", "dashboard", "llmisvc"}  # fmt: skip
 
 
 def test_doc_errors_knows_every_kind_built() -> None:

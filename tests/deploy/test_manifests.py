@@ -25,7 +25,9 @@ MANIFESTS = ROOT / "manifests"
 # the custom container, Knative mode
 CUSTOM_OVERLAYS = ("dev", "gpu", "canary", "grpc", "telemetry")
 RUNTIME_OVERLAYS = ("storage-uri", "standard", "inference-pool")  # see test_kinds.py
-OVERLAYS = CUSTOM_OVERLAYS + RUNTIME_OVERLAYS
+# not an InferenceService: KServe's LLMInferenceService running us as its engine (test_kinds.py)
+ENGINE_OVERLAYS = ("llm-inference-service",)
+OVERLAYS = CUSTOM_OVERLAYS + RUNTIME_OVERLAYS + ENGINE_OVERLAYS
 TARGETS = {"base": "base"} | {name: f"overlays/{name}" for name in CUSTOM_OVERLAYS}
 IMAGE = "ghcr.io/gptq-predictor/gptq-predictor"
 Isvc = dict[str, Any]

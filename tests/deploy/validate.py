@@ -120,6 +120,10 @@ CEL_RULES: dict[str, Callable[[Any], bool]] = {
     "self.kind != 'Service' || has(self.port)": lambda ref: (
         ref.get("kind", "Service") != "Service" or "port" in ref
     ),
+    # LLMInferenceService spec (and spec.prefill): a fixed replica count or autoscaling
+    "!(has(self.replicas) && has(self.scaling))": lambda spec: (
+        not ("replicas" in spec and "scaling" in spec)
+    ),
 }
 _BOUNDS: tuple[tuple[str, Callable[[Any], float], int, str], ...] = (
     ("minLength", len, 1, "is shorter than"),

@@ -52,6 +52,8 @@ def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
         assert ready.status_code == 503 and ready.json()["error"]
         model_ready = httpx.get(f"{srv.base_url}/v2/models/tiny/ready", timeout=5)
         assert model_ready.status_code == 503 and model_ready.json()["error"]
+        health = httpx.get(f"{srv.base_url}/health", timeout=5)  # vLLM's probe, as llm-d reads it
+        assert health.status_code == 503 and health.json()["error"]
         assert "Traceback" not in srv.log()  # a state, not a fault: no traceback per probe
         refused = httpx.post(
             f"{srv.base_url}/v2/models/tiny/generate", json={"text_input": "x"}, timeout=5
