@@ -164,26 +164,27 @@ def measure(server: Server, args: argparse.Namespace) -> None:
 
 def report(servers: list[Server], args: argparse.Namespace) -> list[str]:
     off, on, *peers = servers
+    peer_heads = "".join(f" {p.name} tok/s |" for p in peers)
     lines = [
         f"CPU: {cpu_model()}; {args.threads} thread(s) each; max_tokens {args.max_tokens}, greedy",
         "",
-        "| kind | C | ours off tok/s | ours on tok/s | on / off | acceptance | same text | "
-        + " | ".join(f"{p.name} tok/s" for p in peers)
-        + " | ours on / best llama.cpp |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(peers) + "---|",
+        "| kind | C | ours off tok/s | ours on tok/s | on / off | acceptance | same text |"
+        + peer_heads + (" ours on / best llama.cpp |" if peers else ""),
+        "|---|---|---|---|---|---|---|" + "---|" * (len(peers) + bool(peers)),
     ]
     for kind in args.kinds:
         for c in args.concurrency:
             a, b = off.results[(kind, c)], on.results[(kind, c)]
             same = sum(x == y for x, y in zip(a.texts, b.texts, strict=True))
             acceptance = f"{b.accepted / b.drafts:.2f}" if b.drafts else "no drafts"
-            best = max((p.results[(kind, c)].tokens_per_second for p in peers), default=0.0)
-            peer_cells = " | ".join(f"{p.results[(kind, c)].tokens_per_second:.1f}" for p in peers)
-            versus = f"{b.tokens_per_second / best:.2f}x" if best else "-"
+            cells = "".join(f" {p.results[(kind, c)].tokens_per_second:.1f} |" for p in peers)
+            if peers:
+                best = max(p.results[(kind, c)].tokens_per_second for p in peers)
+                cells += f" {b.tokens_per_second / best:.2f}x |"
             lines.append(
                 f"| {kind} | {c} | {a.tokens_per_second:.1f} | {b.tokens_per_second:.1f} | "
                 f"{b.tokens_per_second / a.tokens_per_second:.2f}x | {acceptance} | "
-                f"{same}/{len(a.texts)} | {peer_cells}{' | ' if peers else ''}{versus} |"
+                f"{same}/{len(a.texts)} |{cells}"
             )
     return lines
 
