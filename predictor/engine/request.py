@@ -45,6 +45,8 @@ class Request:
     blocks: list[int] = field(default_factory=list)  # KV-cache block table, in position order
     cached: int = 0  # tokens whose keys and values the cache holds (of prompt + output)
     cache_salt: str | None = None  # prefix-cache extras: requests with other salts never share
+    adapter: int = 0  # its LoRA adapter's slot in the runner (0: the base model); blocks
+    # computed under one adapter are never shared with another's rows (a prefix-cache extra)
     keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of full blocks
     registered: int = 0  # leading blocks of `blocks` offered to the prefix cache
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -99,7 +101,8 @@ class Request:
 
     def block_keys(self, count: int, block_size: int) -> list[BlockKey]:
         """Prefix-cache keys of the first `count` full blocks of prompt + output."""
-        extend_keys(self.keys, self.tokens, count, block_size, self.cache_salt)
+        extras = (self.cache_salt, self.adapter) if self.adapter else self.cache_salt
+        extend_keys(self.keys, self.tokens, count, block_size, extras)
         return self.keys[:count]
 
     @property

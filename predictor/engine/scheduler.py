@@ -283,7 +283,13 @@ class Scheduler:
                     continue
             schedule.requests.append(request)
             schedule.rows.append(
-                StepRow(request.blocks, request.cached, request.output_ids[-1:], logits=True)
+                StepRow(
+                    request.blocks,
+                    request.cached,
+                    request.output_ids[-1:],
+                    logits=True,
+                    adapter=request.adapter,
+                )  # fmt: skip
             )
             budget -= 1
         schedule.decode_rows = len(schedule.rows)
@@ -292,7 +298,15 @@ class Scheduler:
             tokens = request.output_ids[-1:] + request.speculation.drafts
             schedule.requests.append(request)
             schedule.rows.append(
-                StepRow(request.blocks, request.cached, tokens, True, True, len(tokens) - 1)
+                StepRow(
+                    request.blocks,
+                    request.cached,
+                    tokens,
+                    True,
+                    True,
+                    len(tokens) - 1,
+                    request.adapter,
+                )  # fmt: skip
             )
             budget -= len(tokens)
         schedule.verify_rows = len(verifying)
@@ -306,7 +320,14 @@ class Scheduler:
             sample_next = end == total and not request.echo_only
             schedule.requests.append(request)
             schedule.rows.append(
-                StepRow(request.blocks, request.cached, chunk, sample_next, request.scoring)
+                StepRow(
+                    request.blocks,
+                    request.cached,
+                    chunk,
+                    sample_next,
+                    request.scoring,
+                    adapter=request.adapter,
+                )  # fmt: skip
             )
 
     def _drafts(self, decoding: list[Request], budget: int) -> dict[int, list[int]]:

@@ -29,6 +29,7 @@ class StepRow:
     # decode row of its own where the runner can, so its logits are the ones it would have had
     # decoded alone (the same tokens with and without drafts)
     drafts: int = 0
+    adapter: int = 0  # the LoRA adapter's slot in the runner (0: the base model)
 
     @property
     def logit_count(self) -> int:

@@ -30,6 +30,13 @@ from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.int4_codes import release_repack_tables
 from predictor.engine.runners.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
+from predictor.engine.runners.lora import (
+    Factors,
+    Groups,
+    LoraWeights,
+    group_tokens,
+    projection_shapes,
+)
 from predictor.engine.runners.native import (
     MATMULS,
     DecodeAttention,
@@ -107,6 +114,10 @@ class ModelRunner:
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.scale = float(self._layers[0].self_attn.scaling)
+        # LoRA adapters, by slot (`add_adapter`), and this step's tokens grouped by slot
+        dtype = model.get_input_embeddings().weight.dtype
+        self.lora = LoraWeights(projection_shapes(self._layers[0]), dtype, device)
+        self._lora_groups: Groups = []
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
         fused = [fuse_layer(layer) for layer in self._layers]
         self._fused = [f if isinstance(f, FusedLayer) else None for f in fused]
@@ -340,6 +351,10 @@ class ModelRunner:
             queries_as_decode=self.batch_invariant,
         )
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
+        self._lora_groups = []
+        if any(row.adapter for row in rows):  # adapters' rows: their tokens by slot
+            slots = [row.adapter for row in rows for _ in row.tokens]
+            self._lora_groups = group_tokens(slots, self.device)
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
         if self._ops is not None:
             return self._forward_native(hidden, plan, self._ops)
@@ -419,6 +434,8 @@ class ModelRunner:
             qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
         else:
             qkv = torch.cat([linear(hidden) for linear in projections(self._layers[index])[0]], -1)
+        if self._lora_groups:
+            qkv = self.lora.apply(index, "qkv", hidden, qkv, self._lora_groups)
         if self._qk_norms is not None:
             qkv = self._norm_heads(index, qkv, n)
         pool = self._pools[index]
@@ -452,7 +469,14 @@ class ModelRunner:
                 self._attention_cap, self._windows[index],
             )  # fmt: skip
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
-        return fused.o.forward(out) if fused is not None else attn.o_proj(out)
+        projected = fused.o.forward(out) if fused is not None else attn.o_proj(out)
+        if self._lora_groups:
+            projected = self.lora.apply(index, "o", out, projected, self._lora_groups)
+        return projected
+
+    def add_adapter(self, slot: int, factors: Factors, scale: float) -> None:
+        """Make a LoRA adapter resident as `slot` (rows with that `adapter` use it)."""
+        self.lora.add(slot, factors, scale)
 
     def _norm_heads(self, index: int, qkv: torch.Tensor, n: int) -> torch.Tensor:
         """Qwen3's q_norm and k_norm on each head of q and k, in place ([N, q + 2 kv])."""
@@ -467,12 +491,32 @@ class ModelRunner:
 
     def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
         fused = self._fused[index]
+        if self._lora_groups:
+            return self._mlp_lora(index, mlp, hidden)
         if fused is None:
             return mlp(hidden)
         if self._ops is not None:
             return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
         gate, up = fused.gate_up(hidden).chunk(2, -1)  # Phi-3's one gate_up_proj: gate first
         return fused.down(mlp.act_fn(gate) * up)
+
+    def _mlp_lora(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """The MLP with the adapters' deltas on gate/up and on down."""
+        fused, groups = self._fused[index], self._lora_groups
+        if fused is not None:
+            gate_up = fused.gate_up.forward(hidden)
+        else:
+            gate_up = torch.cat(
+                [linear(hidden) for linear in projections(self._layers[index])[2]], -1
+            )
+        gate_up = self.lora.apply(index, "gate_up", hidden, gate_up, groups)
+        if self._ops is not None and fused is not None:
+            inner = self._ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, -1)
+            inner = mlp.act_fn(gate) * up
+        down = fused.down.forward(inner) if fused is not None else mlp.down_proj(inner)
+        return self.lora.apply(index, "down", inner, down, groups)
 
 
 def _layer_norms(layer: Any) -> tuple[Any, Any, Any, Any]:

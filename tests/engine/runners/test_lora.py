@@ -1,0 +1,167 @@
+"""LoRA adapters in the runner: rows of two adapters and of the base model in one forward pass,
+each with the logits of the model with its own adapter applied (transformers' forward with the
+low-rank deltas hooked onto each adapted projection), prefill and decode alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from predictor.engine.runners.lora import projection_shapes
+from predictor.engine.step import StepRow
+from predictor.model.lora import Adapter, load_adapter
+from tests.engine.conftest import Tiny
+
+MODULE_OWNER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+                "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+
+
+def write_adapter(folder: Path, model: Any, rank: int, targets: list[str], seed: int,
+                  alpha: float = 16.0) -> Path:  # fmt: skip
+    """A PEFT LoRA adapter of random factors (B not zero, as training leaves it)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in targets:
+            module = getattr(getattr(layer, MODULE_OWNER[name]), name)
+            prefix = f"base_model.model.model.layers.{i}.{MODULE_OWNER[name]}.{name}"
+            a = torch.randn(rank, module.in_features, generator=generator) * 0.2
+            b = torch.randn(module.out_features, rank, generator=generator) * 0.2
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+              "use_rslora": False, "bias": "none", "base_model_name_or_path": "tiny"}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def load(folder: Path, model: Any) -> Adapter:
+    shapes = projection_shapes(model.model.layers[0])
+    return load_adapter(folder.name, folder, shapes, len(model.model.layers), max_rank=64)
+
+
+def reference_logits(model: Any, ids: list[int], adapter: Adapter | None) -> torch.Tensor:
+    """transformers' forward, each adapted projection's output plus scale * B (A x)."""
+    hooks = []
+    if adapter is not None:
+        for (layer, name), (a, b) in adapter.factors.items():
+            module = getattr(getattr(model.model.layers[layer], MODULE_OWNER[name]), name)
+
+            def add(_: Any, inputs: Any, out: torch.Tensor, a: Any = a, b: Any = b) -> Any:
+                return out + adapter.scale * (inputs[0] @ a.T) @ b.T
+
+            hooks.append(module.register_forward_hook(add))
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_dense: Tiny, tmp_path_factory: pytest.TempPathFactory) -> list[Adapter]:
+    root = tmp_path_factory.mktemp("adapters")
+    model = tiny_dense.model
+    return [
+        load(write_adapter(root / "attention", model, 8, ["q_proj", "v_proj", "o_proj"], 1), model),
+        load(write_adapter(root / "everything", model, 4, list(MODULE_OWNER), 2), model),
+    ]
+
+
+def test_adapted_rows_batched_with_the_base_model_get_their_own_logits(
+    tiny_dense: Tiny, adapters: list[Adapter]
+) -> None:
+    runner = tiny_dense.runner()
+    for slot, adapter in enumerate(adapters, start=1):
+        runner.add_adapter(slot, adapter.factors, adapter.scale)
+    prompts = [[5, 17, 29, 41, 53, 65, 77], [9, 8, 7, 6, 5, 4, 3, 2, 1, 60], [100, 3, 200, 4]]
+    slots = [0, 1, 2]  # the base model, then each adapter
+    tables = [list(range(4 * i, 4 * i + 4)) for i in range(3)]
+    rows = [StepRow(t, 0, p, True, all_logits=True, adapter=s)
+            for t, p, s in zip(tables, prompts, slots, strict=True)]  # fmt: skip
+    logits = runner.forward(rows)
+    references = [reference_logits(tiny_dense.model, p, [None, *adapters][s])
+                  for p, s in zip(prompts, slots, strict=True)]  # fmt: skip
+    base = reference_logits(tiny_dense.model, prompts[1], None)
+    assert (references[1] - base).abs().max() > 0.1  # the adapter changes the model
+    first = 0
+    for prompt, reference in zip(prompts, references, strict=True):
+        torch.testing.assert_close(logits[first : first + len(prompt)], reference,
+                                   atol=2e-4, rtol=1e-4)  # fmt: skip
+        first += len(prompt)
+    # a decode step of all three: each row's next position, with its adapter
+    nexts = [int(reference[-1].argmax()) for reference in references]
+    decode = [StepRow(t, len(p), [n], True, adapter=s)
+              for t, p, n, s in zip(tables, prompts, nexts, slots, strict=True)]  # fmt: skip
+    stepped = runner.forward(decode)
+    for i, (prompt, n, s) in enumerate(zip(prompts, nexts, slots, strict=True)):
+        expected = reference_logits(tiny_dense.model, [*prompt, n], [None, *adapters][s])[-1]
+        torch.testing.assert_close(stepped[i], expected, atol=2e-4, rtol=1e-4)
+    # alone: the same logits as in the mixed batch
+    alone = runner.forward([StepRow(tables[2], len(prompts[2]), [nexts[2]], True, adapter=2)])
+    torch.testing.assert_close(alone[0], stepped[2], atol=1e-5, rtol=1e-5)
+
+
+def test_adapters_on_the_native_kernels_change_their_rows_only(
+    tiny_bf16_dir: Path, tmp_path: Path
+) -> None:
+    """A GPTQ bf16 model on the CPU's fused kernels and native layer ops: an adapter's rows
+    move, the base model's rows in the same step do not, and each row is as it is alone."""
+    from predictor.engine.runners.model import ModelRunner
+    from predictor.model.loader import load_checkpoint
+    from tests.support import tune_cache
+
+    loaded = load_checkpoint(tiny_bf16_dir, device="cpu", threads=1)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
+    adapter = load(write_adapter(tmp_path / "all", loaded.model, 8, list(MODULE_OWNER), 3),
+                   loaded.model)  # fmt: skip
+    runner.add_adapter(1, adapter.factors, adapter.scale)
+    prompt = [11, 22, 33, 44, 55, 66]
+    rows = [StepRow([0], 0, prompt, True, all_logits=True, adapter=0),
+            StepRow([1], 0, prompt, True, all_logits=True, adapter=1)]  # fmt: skip
+    mixed = runner.forward(rows)
+    base_alone = runner.forward([StepRow([2], 0, prompt, True, all_logits=True)])
+    adapted_alone = runner.forward([StepRow([3], 0, prompt, True, all_logits=True, adapter=1)])
+    torch.testing.assert_close(mixed[:6], base_alone, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(mixed[6:], adapted_alone, atol=0.05, rtol=0.02)
+    assert (adapted_alone - base_alone).abs().max() > 0.5
+
+
+def test_through_the_step_loop_rows_of_each_adapter_run_as_alone_and_share_no_blocks(
+    tiny_dense: Tiny, adapters: list[Adapter]
+) -> None:
+    """Requests of two adapters and of the base model, with the same prompt, batched: each gets
+    the tokens it gets alone; a prompt's cached blocks serve only requests of its adapter."""
+    from predictor.types import SamplingParams
+    from tests.engine.conftest import drive, make_sequence, new_loop
+
+    prompt = [7, 3, 9, 12, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 60, 61]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, seed=4)
+
+    def serve(slots: list[int]) -> tuple[list[list[int]], list[int]]:
+        runner = tiny_dense.runner(num_blocks=64, block_size=4)
+        for slot, adapter in enumerate(adapters, start=1):
+            runner.add_adapter(slot, adapter.factors, adapter.scale)
+        loop = new_loop(runner, frozenset())
+        made = [make_sequence(tiny_dense.tokenizer, prompt, params, f"r{i}")
+                for i in range(len(slots))]  # fmt: skip
+        for (request, _), slot in zip(made, slots, strict=True):
+            request.adapter = slot
+        # one at a time, so that a later request may find an earlier one's blocks cached
+        drive(loop, {i: [r] for i, (r, _) in enumerate(made)}, [s for _, s in made])
+        return [s.token_ids for _, s in made], [r.cached_prompt_tokens for r, _ in made]
+
+    alone = [serve([slot])[0][0] for slot in (0, 1, 2)]
+    assert len({tuple(tokens) for tokens in alone}) == 3  # each adapter samples its own
+    tokens, cached = serve([0, 1, 2, 1])
+    assert tokens == [*alone, alone[1]]
+    # the base model's prompt blocks serve neither adapter; adapter 1's serve its second row
+    assert cached[:3] == [0, 0, 0] and cached[3] > 0
