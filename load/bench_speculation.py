@@ -169,7 +169,8 @@ def report(servers: list[Server], args: argparse.Namespace) -> list[str]:
         f"CPU: {cpu_model()}; {args.threads} thread(s) each; max_tokens {args.max_tokens}, greedy",
         "",
         "| kind | C | ours off tok/s | ours on tok/s | on / off | acceptance | same text |"
-        + peer_heads + (" ours on / best llama.cpp |" if peers else ""),
+        + peer_heads
+        + (" ours on / best llama.cpp |" if peers else ""),
         "|---|---|---|---|---|---|---|" + "---|" * (len(peers) + bool(peers)),
     ]
     for kind in args.kinds:
