@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from prometheus_client import REGISTRY
 
@@ -27,6 +28,7 @@ from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
 from predictor.model.layout import resolve_checkpoint_dir, served_name
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
+from predictor.model.lora import load_adapter
 from predictor.observability.metrics import Metrics
 from predictor.observability.observer import Observer
 from predictor.observability.payloads import PayloadLog
@@ -72,6 +74,7 @@ def build_engine(
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc
+    adapters = _adapters(settings, runner)
     speculation = None
     if settings.speculative != "off":
         config = SpeculationConfig(settings.speculative, settings.num_speculative_tokens)
@@ -103,7 +106,26 @@ def build_engine(
         grammar_timeout=settings.grammar_compile_timeout,
         max_grammar_compiles=settings.max_grammar_compiles,
         on_step=metrics.observe_step,
+        adapters=adapters,
     )
+
+
+def _adapters(settings: Settings, runner: Runner) -> dict[str, int]:
+    """--lora-modules read, checked against the model and made resident: name -> slot (1..).
+    An adapter that cannot be served stops the start (AdapterError, its reason)."""
+    if not settings.lora_modules:
+        return {}
+    if not isinstance(runner, ModelRunner):
+        raise CheckpointError("--lora-modules needs the CPU runner (not the GPU's or null)")
+    slots = {}
+    for slot, entry in enumerate(settings.lora_modules, start=1):
+        name, _, path = entry.partition("=")
+        adapter = load_adapter(name, Path(path), runner.lora.shapes, runner.lora.layers,
+                               settings.max_lora_rank)  # fmt: skip
+        runner.add_adapter(slot, adapter.factors, adapter.scale)
+        slots[name] = slot
+        log.info("LoRA adapter %s (rank %d) from %s", name, adapter.rank, path)
+    return slots
 
 
 def _cuda_runner(loaded: LoadedModel, settings: Settings, allocator: BlockAllocator) -> Runner:
@@ -177,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from predictor.serving.app import PredictorServer
     from predictor.serving.errors import count_errors
-    from predictor.serving.model import LLMPredictor
+    from predictor.serving.model import AdapterPredictor, LLMPredictor
 
     name = served_name(settings.model_name, model_dir)
     metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
@@ -190,8 +212,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     limits = Limits(settings.default_max_tokens, settings.max_json_depth)
     predictor = LLMPredictor(name, engine, limits, observer)
+    pairs = (entry.split("=", 1) for entry in settings.lora_modules)
+    adapters = [AdapterPredictor(adapter, predictor, path) for adapter, path in pairs]
+    if name in {a.name for a in adapters}:
+        print(f"predictor: a LoRA adapter may not be named {name!r}, as the model is",
+              file=sys.stderr)  # fmt: skip
+        return 2
     count_errors(metrics.observe_error)
-    predictor.load()
+    for model in (predictor, *adapters):
+        model.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",
         name, model_dir, loaded.device, loaded.kernel, settings.torch_threads,
@@ -203,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.collect()
     gc.freeze()
     try:
-        server.start([predictor])
+        server.start([predictor, *adapters])
     finally:
         observer.close()  # what is queued goes out (bounded waits)
     return 0

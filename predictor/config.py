@@ -85,6 +85,10 @@ class Settings:
     # nothing is copied, or under load, it switches itself off)
     speculative: str = "suffix"
     num_speculative_tokens: int = 8  # draft tokens a row verifies at most per step
+    # LoRA adapters served beside the model, NAME=PATH each (vLLM's --lora-modules): PEFT
+    # folders, all resident; a request picks one by its name as the model's
+    lora_modules: tuple[str, ...] = ()
+    max_lora_rank: int = 64
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
     max_waiting: int = 64
@@ -133,6 +137,7 @@ class Settings:
         parser = build_parser(env)
         ns = parser.parse_args(list(argv))
         values = {f.name: getattr(ns, f.name) for f in fields(cls)}
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
         settings = cls(**values)
         settings.check()
         return settings
@@ -155,6 +160,12 @@ class Settings:
                 f"--speculative must be one of {', '.join(SPECULATIVE)} and "
                 "--num-speculative-tokens between 1 and 16"
             )
+        names = [entry.partition("=")[0] for entry in self.lora_modules]
+        if any("=" not in e or not e.partition("=")[0] or not e.partition("=")[2]
+               for e in self.lora_modules) or len(set(names)) != len(names):  # fmt: skip
+            raise ValueError("--lora-modules takes NAME=PATH entries, each name once")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ValueError("--max-lora-rank must be between 1 and 256")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
         for path in (self.ssl_certfile, self.ssl_keyfile):
@@ -247,6 +258,10 @@ _HELP = {
     "its expected accepted tokens pay for it (so it switches itself off under load and where "
     "nothing is copied); 'off' never drafts",
     "num_speculative_tokens": "draft tokens a row verifies at most per step",
+    "lora_modules": "LoRA adapters served beside the model: NAME=PATH entries (PEFT folders: "
+    "adapter_config.json and adapter_model.safetensors); a request runs one by naming it as "
+    "its model (OpenAI `model`, the V2 / OIP / Triton path); vLLM's flag",
+    "max_lora_rank": "highest adapter rank accepted (vLLM's flag)",
     "max_waiting": "most requests waiting for a batch row; more are refused",
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "
@@ -335,12 +350,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         env_name = "PREDICTOR_" + f.name.upper()
         default = getattr(defaults, f.name)
         kind = type(default)
-        convert = _bool if kind is bool else kind
+        convert = _bool if kind is bool else str if kind is tuple else kind
+        many = "*" if kind is tuple else None  # a list flag: its values, space-separated
         if env_name not in env and f.name in OTEL_ENV:
             default = _otel_default(f.name, env, default)
         if env_name in env:
             try:
-                default = convert(env[env_name])
+                default = tuple(env[env_name].split()) if many else convert(env[env_name])
             except (ValueError, argparse.ArgumentTypeError):
                 parser.error(f"{env_name}={env[env_name]!r} is not a valid {kind.__name__}")
         parser.add_argument(
@@ -348,6 +364,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             *VLLM_FLAGS.get(f.name, ()),
             dest=f.name,
             type=convert,
+            nargs=many,
             default=default,
             choices={
                 "kernel": KERNELS,

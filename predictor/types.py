@@ -104,6 +104,8 @@ class GenerateRequest:
     # who the request is for (OpenAI's `user`; a gateway's tenant header wins over it): the
     # tenant label of the token and request counters, and the traces' and payload records' too
     tenant: str | None = None
+    # the LoRA adapter (--lora-modules) that runs it, by name; None: the base model
+    lora: str | None = None
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from tests.serving.test_lora import write_adapter
 from tests.support import REPO, ServerProcess
 
 README = (REPO / "README.md").read_text()
@@ -47,7 +49,7 @@ def test_every_snippet_is_found_once() -> None:
     names = [name for _, name, _ in FOUND]
     assert len(names) == len(set(names)), names
     readme = {name for page, name, _ in FOUND if page.name == "README.md" and page.parent == REPO}
-    assert readme == {"curl-infer", "tritonclient-http", "openai-sdk"}  # curl, tritonclient, openai
+    assert readme == {"curl-infer", "tritonclient-http", "openai-sdk", "openai-lora"}
     assert set(SNIPPETS) == {
         "curl-infer",
         "tritonclient-http",
@@ -59,6 +61,7 @@ def test_every_snippet_is_found_once() -> None:
         "openai-structured",
         "openai-tools",
         "tritonclient-vllm",
+        "openai-lora",
     }
 
 
@@ -113,3 +116,13 @@ def test_tool_call_snippet(server: ServerProcess) -> None:
     assert first.startswith("tool_calls get_weather {'city': ")
     assert first.endswith(("'unit': 'celsius'}", "'unit': 'fahrenheit'}"))
     assert second == "True"
+
+
+def test_lora_snippet(tiny_gptq_dir: Path, tmp_path: Path) -> None:
+    adapter = write_adapter(tmp_path / "sql", tiny_gptq_dir, 8, 1)
+    extra = ["--lora-modules", f"sql={adapter}"]
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as server:
+        out = run([sys.executable, "-c", adapt(SNIPPETS["openai-lora"], server)])
+    listed, base, adapted = out.splitlines()
+    assert listed == "['sql', 'tiny']"
+    assert base.startswith("tiny ") and adapted.startswith("sql ")

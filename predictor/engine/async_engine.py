@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 from predictor.engine.input_processor import InputProcessor, Limits, Tokenizer
@@ -43,13 +43,14 @@ class AsyncEngine:
         grammar_timeout: float = 10.0,
         max_grammar_compiles: int = 16,
         on_step: Callable[[StepStats], None] | None = None,
+        adapters: Mapping[str, int] | None = None,
     ) -> None:
         self._loop = step_loop
         cache = step_loop.scheduler.allocator
         limits = Limits(max_tokens_limit, max_prompt_tokens, max_prompts, cache.num_blocks,
                         cache.block_size)  # fmt: skip
         self.inputs = InputProcessor(
-            tokenizer, limits, step_loop.eos_ids, grammar_timeout, max_grammar_compiles
+            tokenizer, limits, step_loop.eos_ids, grammar_timeout, max_grammar_compiles, adapters
         )
         self.stall_seconds = stall_seconds
         self._default_timeout = default_timeout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Protocol, TypeVar
 
@@ -141,3 +142,55 @@ async def gather_all(work: Sequence[Awaitable[T]]) -> list[T]:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class AdapterClient:
+    """The engine as one LoRA adapter serves it (a model of its own name on every protocol):
+    each request runs with that adapter; the engine's lifecycle belongs to the base model's
+    client, so starting and stopping here do nothing."""
+
+    def __init__(self, engine: EngineClient, adapter: str) -> None:
+        self.engine = engine
+        self.adapter = adapter
+
+    def _adapted(self, request: GenerateRequest) -> GenerateRequest:
+        return dataclasses.replace(request, lora=self.adapter)
+
+    def start(self) -> None:
+        pass
+
+    def drain(self) -> None:
+        self.engine.drain()
+
+    def stop(self) -> None:
+        pass
+
+    def generate(self, request: GenerateRequest) -> Stream:
+        return self.engine.generate(self._adapted(request))
+
+    async def generate_all(self, requests: Sequence[GenerateRequest]) -> Sequence[Stream]:
+        return await self.engine.generate_all([self._adapted(r) for r in requests])
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def tokenize(self, request: GenerateRequest) -> list[int]:
+        return await self.engine.tokenize(request)
+
+    async def detokenize(self, ids: Sequence[int]) -> str:
+        return await self.engine.detokenize(ids)
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def ready(self) -> bool:
+        return self.engine.ready()
+
+    def live(self) -> bool:
+        return self.engine.live()
+
+    def running(self) -> int:
+        return self.engine.running()
+
+    def waiting(self) -> int:
+        return self.engine.waiting()

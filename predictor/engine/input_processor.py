@@ -18,7 +18,7 @@ from predictor.engine import tool_calls
 from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
 from predictor.engine.kv_cache import blocks_for
 from predictor.engine.request import EventSink, Request
-from predictor.errors import InvalidRequest
+from predictor.errors import InvalidRequest, ModelMissing
 from predictor.types import GenerateRequest
 
 
@@ -47,8 +47,10 @@ class InputProcessor:
         eos_ids: Collection[int],
         grammar_timeout: float = 10.0,
         max_grammar_compiles: int = 16,
+        adapters: Mapping[str, int] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.adapters = dict(adapters or {})  # LoRA adapter name -> its slot in the runner
         self.limits = limits
         self._eos_ids = frozenset(eos_ids)
         self._grammar_limits = (grammar_timeout, max_grammar_compiles)
@@ -73,6 +75,8 @@ class InputProcessor:
                 f"{len(requests)} prompts in one request; the limit is {self.limits.max_prompts}"
             )
         for request in requests:
+            if request.lora is not None and request.lora not in self.adapters:
+                raise ModelMissing(f"LoRA adapter '{request.lora}' is not loaded")
             max_tokens = request.params.max_tokens
             if not 0 <= max_tokens <= self.limits.max_tokens:  # 0: only the prompt (echo)
                 raise InvalidRequest(
@@ -157,6 +161,7 @@ class InputProcessor:
             sink=sink,
             deadline=deadline,
             cache_salt=request.cache_salt,
+            adapter=self.adapters[request.lora] if request.lora is not None else 0,
             matcher=None if compiled is None else self.grammars().matcher(compiled),
             prompt_text=echo,
             echo_only=request.params.max_tokens == 0,

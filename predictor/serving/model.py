@@ -13,7 +13,7 @@ from typing import Any
 from kserve import InferRequest, InferResponse, Model
 from kserve.errors import InvalidInput
 
-from predictor.engine.client import EngineClient, complete_all
+from predictor.engine.client import AdapterClient, EngineClient, complete_all
 from predictor.errors import PredictorError
 from predictor.observability.observer import ObservedStream, Observer
 from predictor.observability.statistics import InferenceStatistics
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 
 class LLMPredictor(Model):
+    # a LoRA adapter's (base model, path it was loaded from): vLLM's `parent` and `root`
+    lineage: tuple[str, str] | None = None
+
     def __init__(self, name: str, llm: EngineClient, limits: Limits, observer: Observer) -> None:
         super().__init__(name)
         self.llm = llm
@@ -112,3 +115,17 @@ class LLMPredictor(Model):
 
 def _metadata(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.dims)}
+
+
+class AdapterPredictor(LLMPredictor):
+    """A LoRA adapter served as a model of its own name (vLLM's --lora-modules): every protocol
+    finds it by that name (the OpenAI `model`, the V2 / OIP / Triton path), and its requests
+    run with the adapter on the base model's engine, which the base model starts and stops."""
+
+    def __init__(self, name: str, base: LLMPredictor, path: str) -> None:
+        Model.__init__(self, name)  # not LLMPredictor's: the base model's gauges stand
+        self.llm = AdapterClient(base.llm, name)
+        self.limits = base.limits
+        self.observer = base.observer
+        self.lineage = (base.name, path)
+        self.engine = False

@@ -20,6 +20,7 @@ class ServedModel(Protocol):
     limits: Limits
     ready: bool
     statistics: InferenceStatistics
+    lineage: tuple[str, str] | None  # a LoRA adapter's (base model, path); None: the base
 
     def stream(self, request: GenerateRequest, protocol: str) -> Stream: ...
 

@@ -57,9 +57,14 @@ class LoraWeights:
     """The resident adapters' stacked factors, per slot."""
 
     def __init__(
-        self, shapes: dict[str, tuple[int, int]], dtype: torch.dtype, device: torch.device
+        self,
+        shapes: dict[str, tuple[int, int]],
+        layers: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.shapes = shapes  # module -> (in, out) features
+        self.layers = layers  # the model's decoder layers
         self.dtype = dtype
         self.device = device
         self._slots: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}

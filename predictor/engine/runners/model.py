@@ -116,7 +116,8 @@ class ModelRunner:
         self.scale = float(self._layers[0].self_attn.scaling)
         # LoRA adapters, by slot (`add_adapter`), and this step's tokens grouped by slot
         dtype = model.get_input_embeddings().weight.dtype
-        self.lora = LoraWeights(projection_shapes(self._layers[0]), dtype, device)
+        shapes = projection_shapes(self._layers[0])
+        self.lora = LoraWeights(shapes, len(self._layers), dtype, device)
         self._lora_groups: Groups = []
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
         fused = [fuse_layer(layer) for layer in self._layers]

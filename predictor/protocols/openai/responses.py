@@ -8,7 +8,7 @@ chunk); fields we leave alone are left out.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from openai.types import Completion as CompletionBody
@@ -84,14 +84,23 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": error.model_dump(include={"message", "type", "param", "code"})}
 
 
-def models_list(names: Sequence[str], served: Sequence[str], created: int) -> dict[str, Any]:
-    """OpenAI's model list (`object`, `data`) and, in the same body, KServe V1's `models`."""
-    data = [Model(id=name, created=created, object="model", owned_by=OWNER) for name in served]
-    return {
-        "object": "list",
-        "data": [m.model_dump(exclude_unset=True) for m in data],
-        "models": list(names),
-    }
+def models_list(
+    names: Sequence[str],
+    served: Sequence[str],
+    created: int,
+    lineage: Mapping[str, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's model list (`object`, `data`) and, in the same body, KServe V1's `models`.
+    `lineage`: a LoRA adapter's (parent, root) by name: vLLM lists the base model it adapts
+    and the path it was loaded from."""
+    data = []
+    for name in served:
+        entry = Model(id=name, created=created, object="model", owned_by=OWNER)
+        listed = entry.model_dump(exclude_unset=True)
+        if lineage and name in lineage:
+            listed["parent"], listed["root"] = lineage[name]
+        data.append(listed)
+    return {"object": "list", "data": data, "models": list(names)}
 
 
 def _usage(request: OpenAIRequest, usages: Sequence[Usage]) -> CompletionUsage:

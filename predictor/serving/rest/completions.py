@@ -151,7 +151,8 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
     async def models() -> Response:
         listed = list(names())
         served = [n for n in listed if resolve(n) is not None]
-        return JSONResponse(responses.models_list(listed, served, created))
+        lineage = {n: m.lineage for n in served if (m := resolve(n)) is not None and m.lineage}
+        return JSONResponse(responses.models_list(listed, served, created, lineage))
 
     def named_or_only(body: Any) -> ServedModel:
         """The model a /tokenize body names, or, where it names none (vLLM's serve one model

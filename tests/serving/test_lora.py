@@ -1,0 +1,100 @@
+"""LoRA adapters through the real server (vLLM's --lora-modules): each adapter is a model of its
+own name on every protocol, listed with its parent; its requests run with it, the base model's
+without; an unknown name is a 404; an adapter that cannot be served stops the start with why."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.support import ServerProcess, run_predictor
+
+
+def write_adapter(folder: Path, model_dir: Path, rank: int, seed: int) -> Path:
+    """A PEFT adapter on every projection, random factors, for the checkpoint's shapes."""
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config["num_key_value_heads"] * head_dim
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, config["intermediate_size"]),
+              "up_proj": (hidden, config["intermediate_size"]),
+              "down_proj": (config["intermediate_size"], hidden)}  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for name, (features_in, features_out) in shapes.items():
+            owner = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{owner}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, features_in, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
+                features_out, rank, generator=generator
+            )
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    body = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes)}
+    (folder / "adapter_config.json").write_text(json.dumps(body))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapted(
+    tiny_gptq_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    root = tmp_path_factory.mktemp("lora")
+    sql = write_adapter(root / "sql", tiny_gptq_dir, 8, 1)
+    chat = write_adapter(root / "chat", tiny_gptq_dir, 16, 2)
+    extra = ["--lora-modules", f"tiny-sql={sql}", f"tiny-chat={chat}"]
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as proc:
+        yield proc
+
+
+def complete(server: ServerProcess, model: str) -> str:
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
+    done = client.completions.create(model=model, prompt="Once upon a time", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    return done.choices[0].text
+
+
+def test_each_adapter_is_a_model_listed_with_its_parent(adapted: ServerProcess) -> None:
+    listed = httpx.get(f"{adapted.base_url}/v1/models", timeout=10).json()["data"]
+    by_id = {m["id"]: m for m in listed}
+    assert set(by_id) == {"tiny", "tiny-sql", "tiny-chat"}
+    assert by_id["tiny-sql"]["parent"] == "tiny" and by_id["tiny-sql"]["root"].endswith("sql")
+    assert "parent" not in by_id["tiny"]
+
+
+def test_an_adapter_changes_its_requests_only(adapted: ServerProcess) -> None:
+    base, sql, chat = (complete(adapted, m) for m in ("tiny", "tiny-sql", "tiny-chat"))
+    assert len({base, sql, chat}) == 3
+    assert complete(adapted, "tiny-sql") == sql and complete(adapted, "tiny") == base
+    # the OIP path names the adapter too: the same greedy text
+    body = {"text_input": "Once upon a time",
+            "parameters": {"max_tokens": 12, "ignore_eos": True}}  # fmt: skip
+    r = httpx.post(f"{adapted.base_url}/v2/models/tiny-sql/generate", json=body, timeout=60)
+    assert r.status_code == 200 and r.json()["text_output"] == sql
+
+
+def test_an_unknown_adapter_is_a_404_naming_it(adapted: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{adapted.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="tiny-sq"):
+        client.completions.create(model="tiny-sq", prompt="Hi", max_tokens=2)
+
+
+def test_an_adapter_that_cannot_be_served_stops_the_start(
+    tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    big = write_adapter(tmp_path / "big", tiny_gptq_dir, 32, 3)
+    code, out = run_predictor(["--model-dir", str(tiny_gptq_dir), "--lora-modules",
+                               f"big={big}", "--max-lora-rank", "16"])  # fmt: skip
+    assert code == 2 and "adapter 'big': rank 32 is not between 1 and 16" in out
+    code, out = run_predictor(["--model-dir", str(tiny_gptq_dir), "--lora-modules",
+                               f"gone={tmp_path / 'nowhere'}"])  # fmt: skip
+    assert code == 2 and "no adapter_config.json" in out
