@@ -16,6 +16,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY
 
 from predictor.config import FUSED_KERNELS, Settings
+from predictor.engine.adapters import Adapters
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.runners.model import ModelRunner
@@ -28,7 +29,7 @@ from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
 from predictor.model.layout import resolve_checkpoint_dir, served_name
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
-from predictor.model.lora import load_adapter
+from predictor.model.lora import Adapter, load_adapter
 from predictor.observability.metrics import Metrics
 from predictor.observability.observer import Observer
 from predictor.observability.payloads import PayloadLog
@@ -110,22 +111,28 @@ def build_engine(
     )
 
 
-def _adapters(settings: Settings, runner: Runner) -> dict[str, int]:
-    """--lora-modules read, checked against the model and made resident: name -> slot (1..).
-    An adapter that cannot be served stops the start (AdapterError, its reason)."""
-    if not settings.lora_modules:
-        return {}
+def _adapters(settings: Settings, runner: Runner) -> Adapters | None:
+    """The LoRA adapters (the CPU runner's), --lora-modules read, checked against the model and
+    made resident; an adapter that cannot be served stops the start (AdapterError, its
+    reason). None where the runner serves none."""
     if not isinstance(runner, ModelRunner):
-        raise CheckpointError("--lora-modules needs the CPU runner (not the GPU's or null)")
-    slots = {}
-    for slot, entry in enumerate(settings.lora_modules, start=1):
-        name, _, path = entry.partition("=")
-        adapter = load_adapter(name, Path(path), runner.lora.shapes, runner.lora.layers,
-                               settings.max_lora_rank)  # fmt: skip
-        runner.add_adapter(slot, adapter.factors, adapter.scale)
-        slots[name] = slot
+        if settings.lora_modules:
+            raise CheckpointError("--lora-modules needs the CPU runner (not the GPU's or null)")
+        return None
+    lora = runner.lora
+
+    def read(name: str, path: str) -> Adapter:
+        adapter = load_adapter(name, Path(path), lora.shapes, lora.layers, settings.max_lora_rank)
         log.info("LoRA adapter %s (rank %d) from %s", name, adapter.rank, path)
-    return slots
+        return adapter
+
+    adapters = Adapters(
+        read, lambda slot, a: runner.add_adapter(slot, a.factors, a.scale), lora.remove
+    )
+    for entry in settings.lora_modules:
+        name, _, path = entry.partition("=")
+        adapters.load(name, path)
+    return adapters
 
 
 def _cuda_runner(loaded: LoadedModel, settings: Settings, allocator: BlockAllocator) -> Runner:

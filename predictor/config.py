@@ -89,6 +89,7 @@ class Settings:
     # folders, all resident; a request picks one by its name as the model's
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
+    allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
     max_waiting: int = 64
@@ -262,6 +263,8 @@ _HELP = {
     "adapter_config.json and adapter_model.safetensors); a request runs one by naming it as "
     "its model (OpenAI `model`, the V2 / OIP / Triton path); vLLM's flag",
     "max_lora_rank": "highest adapter rank accepted (vLLM's flag)",
+    "allow_runtime_lora": "allow POST /v1/load_lora_adapter {lora_name, lora_path} and "
+    "/v1/unload_lora_adapter {lora_name} (vLLM's; it asks VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     "max_waiting": "most requests waiting for a batch row; more are refused",
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "

@@ -16,14 +16,15 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
+from predictor.engine.adapters import Adapters
 from predictor.engine.input_processor import InputProcessor, Limits, Tokenizer
 from predictor.engine.request import Request
 from predictor.engine.step import StepStats
 from predictor.engine.step_loop import StepLoop
-from predictor.errors import EngineUnavailable
+from predictor.errors import CheckpointError, EngineUnavailable, InvalidRequest, ModelMissing
 from predictor.types import GenerateRequest, TokenEvent
 
 
@@ -43,7 +44,7 @@ class AsyncEngine:
         grammar_timeout: float = 10.0,
         max_grammar_compiles: int = 16,
         on_step: Callable[[StepStats], None] | None = None,
-        adapters: Mapping[str, int] | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self._loop = step_loop
         cache = step_loop.scheduler.allocator
@@ -55,6 +56,7 @@ class AsyncEngine:
         self.stall_seconds = stall_seconds
         self._default_timeout = default_timeout
         self._on_step = on_step  # the step stats' next reader (metrics)
+        self._adapters = adapters  # LoRA adapters by name (None: the server serves none)
         self._live: dict[int, Request] = {}
         self._preparing = 0  # requests being tokenized: in flight, not yet in the scheduler
         # this step's events, appended and flushed on the step loop thread only
@@ -189,8 +191,29 @@ class AsyncEngine:
         try:
             if self._on_step is not None:
                 self._on_step(stats)
+            if self._adapters is not None:  # unloaded adapters' weights, once unused
+                in_use = {r.adapter for r in list(self._live.values())}
+                in_use |= {r.adapter for r in list(self._loop.scheduler.running)}
+                self._adapters.free_unused(in_use)
         finally:  # the events go out even when a metrics backend fails
             self._flush()
+
+    # -- LoRA adapters at run time ------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Read, check and make resident an adapter (InvalidRequest with the reason)."""
+        if self._adapters is None:
+            raise InvalidRequest("this server serves no LoRA adapters")
+        try:
+            await asyncio.to_thread(self._adapters.load, name, path)
+        except CheckpointError as exc:  # the adapter's files: the client's to fix
+            raise InvalidRequest(str(exc), "lora_path") from exc
+
+    async def unload_adapter(self, name: str) -> None:
+        """New requests naming it get a 404 at once; its weights go when no request uses
+        them."""
+        if self._adapters is None:
+            raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
+        self._adapters.unload(name)
 
     def _flush(self) -> None:
         if not self._outbox:

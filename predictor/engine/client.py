@@ -82,6 +82,14 @@ class EngineClient(Protocol):
         """Requests waiting for a batch row now."""
         ...
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Read, check and make resident a LoRA adapter (InvalidRequest with the reason)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Requests naming it get ModelMissing from now on."""
+        ...
+
 
 def failure(event: TokenEvent) -> PredictorError:
     """The error a failed request's final event stands for: the client's (InvalidRequest, its
@@ -194,3 +202,9 @@ class AdapterClient:
 
     def waiting(self) -> int:
         return self.engine.waiting()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self.engine.load_adapter(name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.unload_adapter(name)

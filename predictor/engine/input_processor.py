@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from predictor.engine import tool_calls
+from predictor.engine.adapters import Adapters
 from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
 from predictor.engine.kv_cache import blocks_for
 from predictor.engine.request import EventSink, Request
@@ -47,10 +48,10 @@ class InputProcessor:
         eos_ids: Collection[int],
         grammar_timeout: float = 10.0,
         max_grammar_compiles: int = 16,
-        adapters: Mapping[str, int] | None = None,
+        adapters: Adapters | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.adapters = dict(adapters or {})  # LoRA adapter name -> its slot in the runner
+        self.adapters = adapters  # LoRA adapters by name (None: none served)
         self.limits = limits
         self._eos_ids = frozenset(eos_ids)
         self._grammar_limits = (grammar_timeout, max_grammar_compiles)
@@ -75,8 +76,8 @@ class InputProcessor:
                 f"{len(requests)} prompts in one request; the limit is {self.limits.max_prompts}"
             )
         for request in requests:
-            if request.lora is not None and request.lora not in self.adapters:
-                raise ModelMissing(f"LoRA adapter '{request.lora}' is not loaded")
+            if request.lora is not None:
+                self.adapter_slot(request.lora)
             max_tokens = request.params.max_tokens
             if not 0 <= max_tokens <= self.limits.max_tokens:  # 0: only the prompt (echo)
                 raise InvalidRequest(
@@ -161,11 +162,18 @@ class InputProcessor:
             sink=sink,
             deadline=deadline,
             cache_salt=request.cache_salt,
-            adapter=self.adapters[request.lora] if request.lora is not None else 0,
+            adapter=0 if request.lora is None else self.adapter_slot(request.lora),
             matcher=None if compiled is None else self.grammars().matcher(compiled),
             prompt_text=echo,
             echo_only=request.params.max_tokens == 0,
         )
+
+    def adapter_slot(self, name: str) -> int:
+        """The runner slot of the LoRA adapter of that name (ModelMissing: none such)."""
+        slot = None if self.adapters is None else self.adapters.slot(name)
+        if slot is None:
+            raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
+        return slot
 
     # -- helpers -----------------------------------------------------------------------------
     def _render(

@@ -17,12 +17,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.config import Settings
 from predictor.engine.client import EngineClient
-from predictor.errors import EngineUnavailable, Forbidden, InvalidRequest, PredictorError
+from predictor.errors import (
+    EngineUnavailable,
+    Forbidden,
+    InvalidRequest,
+    ModelMissing,
+    PredictorError,
+)
 from predictor.serving import internals
 from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
+from predictor.serving.model import AdapterPredictor, LLMPredictor
 from predictor.serving.probe_logs import quiet_probes
-from predictor.serving.rest import completions, health, oip
+from predictor.serving.rest import completions, health, lora, oip
 from predictor.serving.rest.body import BodyGuard
 from predictor.serving.rest.meta import RequestMetaBinder
 from predictor.serving.rest.triton_admin import build_triton_router
@@ -143,6 +150,30 @@ class PredictorServer(ModelServer):
         models = self.registered_models.get_models().values()
         return [m for m in models if isinstance(m, ServedModel)]
 
+    async def _load_adapter(self, name: str, path: str) -> None:
+        """A LoRA adapter loaded at run time, then served as a model of its own name."""
+        if self.registered_models.get_model(name) is not None:
+            raise InvalidRequest(f"a model named '{name}' is already served", "lora_name")
+        base = self._base_model()
+        await base.llm.load_adapter(name, path)
+        adapter = AdapterPredictor(name, base, path)
+        adapter.load()
+        self.registered_models.update(adapter)
+
+    async def _unload_adapter(self, name: str) -> None:
+        """Its name unserved at once; its weights freed once no request uses them."""
+        if not isinstance(self.served_model(name), AdapterPredictor):
+            raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
+        await self._base_model().llm.unload_adapter(name)
+        self.registered_models.unload(name)  # an adapter: nothing of the engine stops
+
+    def _base_model(self) -> LLMPredictor:
+        """The model the adapters adapt (the one that is not an adapter)."""
+        for model in self.served_models():
+            if isinstance(model, LLMPredictor) and not isinstance(model, AdapterPredictor):
+                return model
+        raise ModelMissing("no model is served")
+
     def _build_grpc_server(self) -> internals.PredictorGRPCServer:
         handler = stream_handler(
             self.served_model,
@@ -192,6 +223,9 @@ class PredictorServer(ModelServer):
                 completions.build_router(self.served_model, self.model_names),
                 build_triton_router(self.served_model, self.served_models),
                 health.build_router(self.dataplane),
+                lora.build_router(
+                    settings.allow_runtime_lora, self._load_adapter, self._unload_adapter
+                ),
             ],
             handlers=handlers,
         )

@@ -98,3 +98,85 @@ def test_an_adapter_that_cannot_be_served_stops_the_start(
     code, out = run_predictor(["--model-dir", str(tiny_gptq_dir), "--lora-modules",
                                f"gone={tmp_path / 'nowhere'}"])  # fmt: skip
     assert code == 2 and "no adapter_config.json" in out
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
+    extra = ["--allow-runtime-lora", "true", "--max-tokens-limit", "512"]
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as proc:
+        yield proc
+
+
+def post(server: ServerProcess, route: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/{route}", json=body, timeout=60)
+
+
+def listed(server: ServerProcess) -> set[str]:
+    return {m["id"] for m in httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]}
+
+
+def test_load_use_unload_reload_at_run_time(
+    runtime: ServerProcess, adapted: ServerProcess, tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    sql = write_adapter(tmp_path / "sql", tiny_gptq_dir, 8, 1)  # tiny-sql's factors
+    r = post(runtime, "load_lora_adapter", {"lora_name": "late-sql", "lora_path": str(sql)})
+    assert r.status_code == 200, r.text
+    assert "late-sql" in listed(runtime)
+    assert complete(runtime, "late-sql") == complete(adapted, "tiny-sql")  # as if given at start
+    again = post(runtime, "load_lora_adapter", {"lora_name": "late-sql", "lora_path": str(sql)})
+    assert again.status_code == 400 and "already" in again.json()["error"]["message"]
+    assert post(runtime, "unload_lora_adapter", {"lora_name": "late-sql"}).status_code == 200
+    assert "late-sql" not in listed(runtime)
+    client = openai.OpenAI(base_url=f"{runtime.base_url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late-sql", prompt="Hi", max_tokens=2)
+    gone = post(runtime, "unload_lora_adapter", {"lora_name": "late-sql"})
+    assert gone.status_code == 404
+    assert post(runtime, "load_lora_adapter",
+                {"lora_name": "late-sql", "lora_path": str(sql)}).status_code == 200  # fmt: skip
+    assert complete(runtime, "late-sql") == complete(adapted, "tiny-sql")
+
+
+def test_a_bad_adapter_at_run_time_is_a_400_and_nothing_stays(
+    runtime: ServerProcess, tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    big = write_adapter(tmp_path / "big", tiny_gptq_dir, 128, 5)
+    cases = {
+        "big": (str(big), "rank 128 is not between 1 and 64"),
+        "nowhere": (str(tmp_path / "nowhere"), "no adapter_config.json"),
+        "tiny": (str(big), "already served"),
+    }
+    for name, (path, reason) in cases.items():
+        r = post(runtime, "load_lora_adapter", {"lora_name": name, "lora_path": path})
+        assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+    assert post(runtime, "load_lora_adapter", {"lora_name": "x"}).status_code == 400
+    assert listed(runtime) == {"tiny"} | (listed(runtime) - {"big", "nowhere"})
+    assert "big" not in listed(runtime)
+
+
+def test_an_adapter_unloaded_mid_stream_finishes_that_stream_with_it(
+    runtime: ServerProcess, tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    path = str(write_adapter(tmp_path / "mid", tiny_gptq_dir, 8, 7))
+    assert post(runtime, "load_lora_adapter", {"lora_name": "mid", "lora_path": path}).is_success
+    body = {"model": "mid", "prompt": "Go", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(f"{runtime.base_url}/v1/completions", json=body, timeout=120).json()
+    texts = []
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream(
+            "POST", f"{runtime.base_url}/v1/completions", json=body | {"stream": True}
+        ) as response,
+    ):
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            texts.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(texts) == 5:  # under way: unloaded now
+                assert post(runtime, "unload_lora_adapter", {"lora_name": "mid"}).is_success
+    assert "".join(texts) == whole["choices"][0]["text"]
+
+
+def test_run_time_loading_is_off_unless_allowed(adapted: ServerProcess, tmp_path: Path) -> None:
+    r = post(adapted, "load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
+    assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
