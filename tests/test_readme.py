@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.test_lora import write_adapter
+from load.random_lora import write_adapter
 from tests.support import REPO, ServerProcess
 
 README = (REPO / "README.md").read_text()

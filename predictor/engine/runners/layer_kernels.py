@@ -56,6 +56,18 @@ class LayerKernels:
                              sin.data_ptr(), pool.data_ptr(), pool.shape[1],
                              slots.data_ptr(), torch.get_num_threads())  # fmt: skip
 
+    def lora_add(
+        self,
+        x: torch.Tensor,  # [N, in] bf16, rows contiguous
+        which: torch.Tensor,  # [N] int64: each row's index in the tables (-1: none)
+        tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor],  # A^T, B^T addresses, ranks
+        out: torch.Tensor,  # [N, n] bf16, changed in place
+    ) -> None:
+        a, b, ranks = tables
+        self._ops.lora_add(x.data_ptr(), x.stride(0), x.shape[0], which.data_ptr(), a.data_ptr(),
+                           b.data_ptr(), ranks.data_ptr(), x.shape[1], out.shape[1],
+                           out.data_ptr(), out.stride(0), 1)  # fmt: skip
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up [N, 2 inner] (gate first): [N, inner]."""
         rows, inner = gate_up.shape[0], gate_up.shape[1] // 2

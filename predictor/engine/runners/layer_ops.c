@@ -95,3 +95,33 @@ void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out,
         }
     }
 }
+
+/* LoRA's products for each row's own adapter (BGMV): out[t] += B (A x[t]) for row t with table
+   index which[t] >= 0, whose factors are a[i] (fp32 A^T [in][r]) and b[i] (fp32 B^T [r][n]) of
+   rank ranks[i] (0: none for this projection); bf16 x and out, fp32 sums, one rounding. */
+void lora_add(const uint16_t *x, int64_t x_stride, int64_t rows, const int64_t *which,
+              const int64_t *a, const int64_t *b, const int64_t *ranks, int64_t in, int64_t n,
+              uint16_t *out, int64_t out_stride, int64_t threads) {
+    (void)threads;
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t i = which[t], r = i < 0 ? 0 : ranks[i];
+        if (r <= 0 || r > 256) continue;
+        const float *at = (const float *)(intptr_t)a[i], *bt = (const float *)(intptr_t)b[i];
+        const uint16_t *xt = x + t * x_stride;
+        float h[256], acc[n];
+        for (int64_t k = 0; k < r; k++) h[k] = 0.0f;
+        for (int64_t c = 0; c < in; c++) {
+            const float xc = from_bf16(xt[c]);
+            const float *row = at + c * r;
+            for (int64_t k = 0; k < r; k++) h[k] += xc * row[k];
+        }
+        for (int64_t j = 0; j < n; j++) acc[j] = 0.0f;
+        for (int64_t k = 0; k < r; k++) {
+            const float hk = h[k];
+            const float *row = bt + k * n;
+            for (int64_t j = 0; j < n; j++) acc[j] += hk * row[j];
+        }
+        uint16_t *o = out + t * out_stride;
+        for (int64_t j = 0; j < n; j++) o[j] = to_bf16(from_bf16(o[j]) + acc[j]);
+    }
+}

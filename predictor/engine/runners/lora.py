@@ -12,6 +12,7 @@ decode rows, as two plain matmuls a slot: the CPU's torch ops).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +54,25 @@ def group_tokens(slots: Sequence[int], device: torch.device) -> Groups:
     ]
 
 
+@dataclass(frozen=True)
+class Tables:
+    """Per (layer, group): the resident adapters' A^T and B^T addresses and ranks, int64
+    [adapters] (rank 0 where an adapter leaves that projection alone), rows as `index` says."""
+
+    index: dict[int, int]  # slot -> its row in every table
+    by_group: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step's tokens as the adapters see them: grouped by slot (the torch path), and each
+    token's row in the native kernel's tables (-1: the base model)."""
+
+    groups: Groups
+    which: torch.Tensor
+    tables: Tables
+
+
 class LoraWeights:
     """The resident adapters' stacked factors, per slot."""
 
@@ -60,14 +80,15 @@ class LoraWeights:
         self,
         shapes: dict[str, tuple[int, int]],
         layers: int,
-        dtype: torch.dtype,
         device: torch.device,
     ) -> None:
         self.shapes = shapes  # module -> (in, out) features
         self.layers = layers  # the model's decoder layers
-        self.dtype = dtype
         self.device = device
         self._slots: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._tables = Tables({}, {})  # replaced whole when adapters come and go
+        # layer_ops.c's lora_add (a bf16 model on the native path), else torch's matmuls
+        self.kernel: Any = None
 
     def __contains__(self, slot: int) -> bool:
         return slot in self._slots
@@ -94,28 +115,60 @@ class LoraWeights:
                         b[row : row + out, column : column + a.shape[0]] = b_part * scale
                         column += a.shape[0]
                     row += out
+                # transposed for x @ A^T @ B^T, in fp32: tiny matmuls in bf16 cost ~10x
+                # (oneDNN's per-call overhead), and the products are summed in fp32
                 stacked[(layer, group)] = (
-                    torch.cat(a_rows).to(self.device, self.dtype).contiguous(),
-                    b.to(self.device, self.dtype).contiguous(),
+                    torch.cat(a_rows).T.contiguous().to(self.device),
+                    b.T.contiguous().to(self.device),
                 )
         self._slots[slot] = stacked
+        self._tables = self._build_tables()
 
     def remove(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        self._tables = self._build_tables()
+
+    def _build_tables(self) -> Tables:
+        slots = dict(self._slots)
+        index = {slot: i for i, slot in enumerate(slots)}
+        by_group = {}
+        for layer in range(self.layers):
+            for group in GROUPS:
+                factors = [slots[slot].get((layer, group)) for slot in index]
+                by_group[(layer, group)] = (
+                    torch.tensor([0 if f is None else f[0].data_ptr() for f in factors]),
+                    torch.tensor([0 if f is None else f[1].data_ptr() for f in factors]),
+                    torch.tensor([0 if f is None else f[0].shape[1] for f in factors]),
+                )
+        return Tables(index, by_group)
+
+    def step(self, slots: Sequence[int]) -> Step | None:
+        """A step's view of its tokens' slots (one per token); None: no adapter in it."""
+        if not any(slots):
+            return None
+        tables = self._tables
+        which = torch.tensor([tables.index.get(s, -1) if s else -1 for s in slots])
+        return Step(group_tokens(slots, self.device), which, tables)
 
     def apply(
-        self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, groups: Groups
+        self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, step: Step
     ) -> torch.Tensor:
-        """`out` (the group's projection of `x`, [N, group out]) plus each adapter's delta at
-        its tokens."""
-        for slot, tokens in groups:
+        """`out` (the group's projection of `x`, [N, group out], a tensor of this step's own:
+        changed in place) plus each adapter's delta at its tokens."""
+        if self.kernel is not None and x.dtype == out.dtype == torch.bfloat16:
+            # one call for every row, each with its own adapter (BGMV)
+            tables = step.tables.by_group[(layer, group)]
+            self.kernel.lora_add(x.contiguous(), step.which, tables, out)
+            return out
+        for slot, tokens in step.groups:
             stacked = self._slots.get(slot, {}).get((layer, group))
             if stacked is None:
                 continue
-            a, b = stacked
+            a_t, b_t = stacked
+            rows = x if tokens is None else x.index_select(0, tokens)
+            delta = ((rows.float() @ a_t) @ b_t).to(out.dtype)
             if tokens is None:
-                out = out + (x @ a.T) @ b.T
+                out.add_(delta)
             else:
-                delta = (x.index_select(0, tokens) @ a.T) @ b.T
-                out = out.index_add(0, tokens, delta)
+                out.index_add_(0, tokens, delta)
         return out

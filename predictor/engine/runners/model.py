@@ -30,13 +30,8 @@ from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.int4_codes import release_repack_tables
 from predictor.engine.runners.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
-from predictor.engine.runners.lora import (
-    Factors,
-    Groups,
-    LoraWeights,
-    group_tokens,
-    projection_shapes,
-)
+from predictor.engine.runners.lora import Factors, LoraWeights, projection_shapes
+from predictor.engine.runners.lora import Step as LoraStep
 from predictor.engine.runners.native import (
     MATMULS,
     DecodeAttention,
@@ -115,10 +110,9 @@ class ModelRunner:
         )
         self.scale = float(self._layers[0].self_attn.scaling)
         # LoRA adapters, by slot (`add_adapter`), and this step's tokens grouped by slot
-        dtype = model.get_input_embeddings().weight.dtype
         shapes = projection_shapes(self._layers[0])
-        self.lora = LoraWeights(shapes, len(self._layers), dtype, device)
-        self._lora_groups: Groups = []
+        self.lora = LoraWeights(shapes, len(self._layers), device)
+        self._lora_step: LoraStep | None = None
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
         fused = [fuse_layer(layer) for layer in self._layers]
         self._fused = [f if isinstance(f, FusedLayer) else None for f in fused]
@@ -209,6 +203,7 @@ class ModelRunner:
         self._ops: LayerKernels | None = None
         if self._native is not None:
             self._ops = layer_kernels(model, self.head_dim, self._library_cache())
+            self.lora.kernel = self._ops
 
     def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
         if attention not in ATTENTION:
@@ -352,10 +347,9 @@ class ModelRunner:
             queries_as_decode=self.batch_invariant,
         )
         ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
-        self._lora_groups = []
+        self._lora_step = None
         if any(row.adapter for row in rows):  # adapters' rows: their tokens by slot
-            slots = [row.adapter for row in rows for _ in row.tokens]
-            self._lora_groups = group_tokens(slots, self.device)
+            self._lora_step = self.lora.step([row.adapter for row in rows for _ in row.tokens])
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
         if self._ops is not None:
             return self._forward_native(hidden, plan, self._ops)
@@ -435,8 +429,8 @@ class ModelRunner:
             qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
         else:
             qkv = torch.cat([linear(hidden) for linear in projections(self._layers[index])[0]], -1)
-        if self._lora_groups:
-            qkv = self.lora.apply(index, "qkv", hidden, qkv, self._lora_groups)
+        if self._lora_step is not None:
+            qkv = self.lora.apply(index, "qkv", hidden, qkv, self._lora_step)
         if self._qk_norms is not None:
             qkv = self._norm_heads(index, qkv, n)
         pool = self._pools[index]
@@ -471,8 +465,8 @@ class ModelRunner:
             )  # fmt: skip
             out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
         projected = fused.o.forward(out) if fused is not None else attn.o_proj(out)
-        if self._lora_groups:
-            projected = self.lora.apply(index, "o", out, projected, self._lora_groups)
+        if self._lora_step is not None:
+            projected = self.lora.apply(index, "o", out, projected, self._lora_step)
         return projected
 
     def add_adapter(self, slot: int, factors: Factors, scale: float) -> None:
@@ -492,8 +486,8 @@ class ModelRunner:
 
     def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
         fused = self._fused[index]
-        if self._lora_groups:
-            return self._mlp_lora(index, mlp, hidden)
+        if self._lora_step is not None:
+            return self._mlp_lora(index, mlp, hidden, self._lora_step)
         if fused is None:
             return mlp(hidden)
         if self._ops is not None:
@@ -501,23 +495,23 @@ class ModelRunner:
         gate, up = fused.gate_up(hidden).chunk(2, -1)  # Phi-3's one gate_up_proj: gate first
         return fused.down(mlp.act_fn(gate) * up)
 
-    def _mlp_lora(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
+    def _mlp_lora(self, index: int, mlp: Any, hidden: torch.Tensor, step: LoraStep) -> torch.Tensor:
         """The MLP with the adapters' deltas on gate/up and on down."""
-        fused, groups = self._fused[index], self._lora_groups
+        fused = self._fused[index]
         if fused is not None:
             gate_up = fused.gate_up.forward(hidden)
         else:
             gate_up = torch.cat(
                 [linear(hidden) for linear in projections(self._layers[index])[2]], -1
             )
-        gate_up = self.lora.apply(index, "gate_up", hidden, gate_up, groups)
+        gate_up = self.lora.apply(index, "gate_up", hidden, gate_up, step)
         if self._ops is not None and fused is not None:
             inner = self._ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, -1)
             inner = mlp.act_fn(gate) * up
         down = fused.down.forward(inner) if fused is not None else mlp.down_proj(inner)
-        return self.lora.apply(index, "down", inner, down, groups)
+        return self.lora.apply(index, "down", inner, down, step)
 
 
 def _layer_norms(layer: Any) -> tuple[Any, Any, Any, Any]:

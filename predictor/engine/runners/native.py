@@ -105,7 +105,9 @@ PROTOTYPES = {
                           i64 threads)
         void rope_write(ptr qkv, i64 n, i64 heads, i64 kv_heads, ptr cos, ptr sin, ptr pool,
                         i64 slots, ptr slots_of, i64 threads)
-        void silu_mul(ptr gate_up, i64 n, i64 inner, ptr out, i64 threads)""",
+        void silu_mul(ptr gate_up, i64 n, i64 inner, ptr out, i64 threads)
+        void lora_add(ptr x, i64 x_stride, i64 rows, ptr which, ptr a, ptr b, ptr ranks, i64 in,
+                      i64 n, ptr out, i64 out_stride, i64 threads)""",
 }
 CTYPES: dict[str, Any] = {
     "void": None,
@@ -371,12 +373,13 @@ def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:
 
 @dataclass(frozen=True)
 class LayerOps:
-    """layer_ops.c for one head_dim: a layer's norms, rotary + cache write and SwiGLU (the C
-    functions, PROTOTYPES; add_rms_norm's delta may be None: none)."""
+    """layer_ops.c for one head_dim: a layer's norms, rotary + cache write, SwiGLU and LoRA's
+    per-row products (the C functions, PROTOTYPES; add_rms_norm's delta may be None: none)."""
 
     add_rms_norm: Callable[[int, int | None, int, float, int, int, int, int], None]
     rope_write: Callable[[int, int, int, int, int, int, int, int, int, int], None]
     silu_mul: Callable[[int, int, int, int, int], None]
+    lora_add: Callable[..., None]
 
 
 @functools.lru_cache(maxsize=4)
@@ -384,6 +387,7 @@ def layer_ops(head_dim: int, cache_dir: Path | None = None) -> LayerOps:
     """layer_ops.c compiled for this head_dim (kept in `cache_dir`, the library cache, where
     given); NativeUnavailable if it cannot be built here."""
     lib = _build([f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED, cache_dir)
-    ops = LayerOps(*(_bind(lib, name) for name in ("add_rms_norm", "rope_write", "silu_mul")))
+    names = ("add_rms_norm", "rope_write", "silu_mul", "lora_add")
+    ops = LayerOps(*(_bind(lib, name) for name in names))
     logger.info("native layer ops ready (head_dim %d)", head_dim)
     return ops

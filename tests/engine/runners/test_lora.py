@@ -4,14 +4,13 @@ low-rank deltas hooked onto each adapted projection), prefill and decode alike."
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
+from load.random_lora import write_adapter
 from predictor.engine.runners.lora import projection_shapes
 from predictor.engine.step import StepRow
 from predictor.model.lora import Adapter, load_adapter
@@ -19,27 +18,6 @@ from tests.engine.conftest import Tiny
 
 MODULE_OWNER = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
                 "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
-
-
-def write_adapter(folder: Path, model: Any, rank: int, targets: list[str], seed: int,
-                  alpha: float = 16.0) -> Path:  # fmt: skip
-    """A PEFT LoRA adapter of random factors (B not zero, as training leaves it)."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i, layer in enumerate(model.model.layers):
-        for name in targets:
-            module = getattr(getattr(layer, MODULE_OWNER[name]), name)
-            prefix = f"base_model.model.model.layers.{i}.{MODULE_OWNER[name]}.{name}"
-            a = torch.randn(rank, module.in_features, generator=generator) * 0.2
-            b = torch.randn(module.out_features, rank, generator=generator) * 0.2
-            tensors[f"{prefix}.lora_A.weight"] = a
-            tensors[f"{prefix}.lora_B.weight"] = b
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
-              "use_rslora": False, "bias": "none", "base_model_name_or_path": "tiny"}  # fmt: skip
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    return folder
 
 
 def load(folder: Path, model: Any) -> Adapter:
@@ -67,13 +45,15 @@ def reference_logits(model: Any, ids: list[int], adapter: Adapter | None) -> tor
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_dense: Tiny, tmp_path_factory: pytest.TempPathFactory) -> list[Adapter]:
+def adapters(
+    tiny_dense: Tiny, tiny_dense_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[Adapter]:
     root = tmp_path_factory.mktemp("adapters")
     model = tiny_dense.model
-    return [
-        load(write_adapter(root / "attention", model, 8, ["q_proj", "v_proj", "o_proj"], 1), model),
-        load(write_adapter(root / "everything", model, 4, list(MODULE_OWNER), 2), model),
-    ]
+    attention = write_adapter(root / "attention", tiny_dense_dir, 8, 1,
+                              ["q_proj", "v_proj", "o_proj"], std=0.2)  # fmt: skip
+    everything = write_adapter(root / "everything", tiny_dense_dir, 4, 2, std=0.2)
+    return [load(attention, model), load(everything, model)]
 
 
 def test_adapted_rows_batched_with_the_base_model_get_their_own_logits(
@@ -113,16 +93,18 @@ def test_adapted_rows_batched_with_the_base_model_get_their_own_logits(
 def test_adapters_on_the_native_kernels_change_their_rows_only(
     tiny_bf16_dir: Path, tmp_path: Path
 ) -> None:
-    """A GPTQ bf16 model on the CPU's fused kernels and native layer ops: an adapter's rows
-    move, the base model's rows in the same step do not, and each row is as it is alone."""
+    """A GPTQ bf16 model on the CPU's fused kernels and native layer ops (the adapters' products
+    in layer_ops.c's lora_add), --batch-invariant so that 6 and 12 rows run the same matmul
+    kernel: an adapter's rows move, and every row is bit for bit as it is alone."""
     from predictor.engine.runners.model import ModelRunner
     from predictor.model.loader import load_checkpoint
     from tests.support import tune_cache
 
     loaded = load_checkpoint(tiny_bf16_dir, device="cpu", threads=1)
-    runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
-    adapter = load(write_adapter(tmp_path / "all", loaded.model, 8, list(MODULE_OWNER), 3),
-                   loaded.model)  # fmt: skip
+    runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache(),
+                         batch_invariant=True)  # fmt: skip
+    assert runner.lora.kernel is not None
+    adapter = load(write_adapter(tmp_path / "all", tiny_bf16_dir, 8, 3, std=0.2), loaded.model)
     runner.add_adapter(1, adapter.factors, adapter.scale)
     prompt = [11, 22, 33, 44, 55, 66]
     rows = [StepRow([0], 0, prompt, True, all_logits=True, adapter=0),
@@ -130,8 +112,12 @@ def test_adapters_on_the_native_kernels_change_their_rows_only(
     mixed = runner.forward(rows)
     base_alone = runner.forward([StepRow([2], 0, prompt, True, all_logits=True)])
     adapted_alone = runner.forward([StepRow([3], 0, prompt, True, all_logits=True, adapter=1)])
-    torch.testing.assert_close(mixed[:6], base_alone, atol=0.05, rtol=0.02)
-    torch.testing.assert_close(mixed[6:], adapted_alone, atol=0.05, rtol=0.02)
+    assert torch.equal(mixed[:6], base_alone) and torch.equal(mixed[6:], adapted_alone)
+    kernel, runner.lora.kernel = runner.lora.kernel, None  # torch's matmuls: the same sums,
+    by_torch = runner.forward([StepRow([4], 0, prompt, True, all_logits=True, adapter=1)])
+    runner.lora.kernel = kernel  # rounded to bf16 once more (the delta, then the sum)
+    difference = (by_torch - adapted_alone).abs().max().item()
+    assert difference < 0.05 * (adapted_alone - base_alone).abs().max().item()
     assert (adapted_alone - base_alone).abs().max() > 0.5
 
 

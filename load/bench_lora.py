@@ -1,0 +1,138 @@
+"""LoRA adapters served, the three figures of issue 47 in one run, one server:
+
+- C=16: 16 streams of 4 rank-16 adapters and the base model mixed, against 16 of the base model;
+- C=1: a rank-16 adapter's requests one after another, against the base model's;
+- an adapter loaded at run time (POST /v1/load_lora_adapter) while 8 streams run: the longest
+  gap between two tokens of a stream during the load, against the median gap.
+
+    python -m load.bench_lora [--rounds 3] [--threads 1]
+
+Adapters: random factors on every projection (load/random_lora.py), the default model,
+`--speculative off` (drafts would make the comparison one of acceptance), greedy, `ignore_eos`,
+64 tokens per request, OpenAI completions streamed over SSE. Each comparison alternates the two
+sides `--rounds` times and reports the median tokens/s of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from load.local_server import local_server
+from load.random_lora import write_adapter
+from predictor.engine.runners.native import cpu_model
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = [line for line in (REPO / "load" / "prompts.txt").read_text().splitlines() if line]
+
+
+async def stream(client: httpx.AsyncClient, url: str, model: str, prompt: str,
+                 tokens: int) -> list[float]:  # fmt: skip
+    """One streamed completion: the arrival time of each of its text events."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    times = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            data = line[6:] if line.startswith("data: ") else "[DONE]"
+            if data != "[DONE]" and json.loads(data)["choices"]:
+                times.append(time.perf_counter())
+    return times
+
+
+async def level(url: str, models: list[str], tokens: int) -> float:
+    """Requests for `models` at once; tokens/s over the level."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        started = time.perf_counter()
+        done = await asyncio.gather(*(
+            stream(client, url, m, PROMPTS[i % len(PROMPTS)], tokens)
+            for i, m in enumerate(models)
+        ))  # fmt: skip
+    return sum(len(t) for t in done) / (time.perf_counter() - started)
+
+
+async def one_by_one(url: str, model: str, count: int, tokens: int) -> float:
+    total, seconds = 0, 0.0
+    async with httpx.AsyncClient(timeout=600) as client:
+        for i in range(count):
+            started = time.perf_counter()
+            total += len(await stream(client, url, model, PROMPTS[i % len(PROMPTS)], tokens))
+            seconds += time.perf_counter() - started
+    return total / seconds
+
+
+async def load_during_streams(url: str, path: Path, streams: int) -> tuple[float, float, float]:
+    """(longest gap during the load, median gap, seconds the load took)."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        tasks = [asyncio.create_task(stream(client, url, "base", PROMPTS[i % len(PROMPTS)], 200))
+                 for i in range(streams)]  # fmt: skip
+        await asyncio.sleep(1.5)
+        began = time.perf_counter()
+        r = await client.post(f"{url}/v1/load_lora_adapter",
+                              json={"lora_name": "late", "lora_path": str(path)})  # fmt: skip
+        ended = time.perf_counter()
+        r.raise_for_status()
+        runs = await asyncio.gather(*tasks)
+    gaps, during = [], []
+    for times in runs:
+        for before, after in zip(times, times[1:], strict=False):
+            gaps.append(after - before)
+            if after >= began and before <= ended:
+                during.append(after - before)
+    return max(during, default=0.0), statistics.median(gaps), ended - began
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model-dir", type=Path, default=REPO / "models/smollm2-135m-instruct-gptq"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        names = [f"a{i}" for i in range(4)]
+        for i, name in enumerate(names):
+            write_adapter(root / name, args.model_dir, 16, i, std=0.02)
+        late = write_adapter(root / "late", args.model_dir, 16, 9, std=0.02)
+        extra = ["--threads", str(args.threads), "--max-batch-size", "16", "--speculative", "off",
+                 "--allow-runtime-lora", "true", "--lora-modules",
+                 *(f"{n}={root / n}" for n in names)]  # fmt: skip
+        log = root / "server.log"
+        with local_server(str(args.model_dir), "base", log, extra=extra) as server:
+            url = server.base_url
+            asyncio.run(level(url, ["base", *names], 8))  # warm every path
+            base16, mixed16, base1, lora1 = [], [], [], []
+            for _ in range(args.rounds):
+                base16.append(asyncio.run(level(url, ["base"] * 16, args.tokens)))
+                mixed16.append(asyncio.run(level(url, (["base", *names] * 4)[:16], args.tokens)))
+                base1.append(asyncio.run(one_by_one(url, "base", 4, args.tokens)))
+                lora1.append(asyncio.run(one_by_one(url, "a0", 4, args.tokens)))
+            gap, median, seconds = asyncio.run(load_during_streams(url, late, 8))
+    b16, m16 = statistics.median(base16), statistics.median(mixed16)
+    b1, l1 = statistics.median(base1), statistics.median(lora1)
+    print(f"CPU: {cpu_model()}; {args.threads} thread(s); {args.tokens} tokens a request; "
+          f"median of {args.rounds} rounds")  # fmt: skip
+    print("| figure | base model | with adapters | ratio | goal |")
+    print("|---|---|---|---|---|")
+    print(f"| C=16, 4 adapters + base mixed | {b16:.1f} tok/s | {m16:.1f} tok/s | "
+          f"{m16 / b16:.2f}x | >= 0.8x |")  # fmt: skip
+    print(f"| C=1, a rank-16 adapter | {b1:.1f} tok/s | {l1:.1f} tok/s | {l1 / b1:.2f}x | "
+          ">= 0.9x |")  # fmt: skip
+    print(f"| loading an adapter ({seconds:.2f} s) under 8 streams | median gap "
+          f"{median * 1e3:.1f} ms | longest gap during the load {gap * 1e3:.1f} ms | "
+          f"{gap / median:.2f}x | <= 2x |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
