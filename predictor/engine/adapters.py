@@ -47,6 +47,10 @@ class Adapters:
     def loaded(self) -> list[Loaded]:
         return list(self._by_name.values())
 
+    def names(self) -> dict[int, str]:
+        """The loaded adapters' names by slot."""
+        return {loaded.slot: loaded.name for loaded in list(self._by_name.values())}
+
     def load(self, name: str, path: str) -> Loaded:
         """Read, check and install an adapter (blocking: a worker thread at run time)."""
         with self._lock:

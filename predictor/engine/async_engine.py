@@ -199,6 +199,19 @@ class AsyncEngine:
             self._flush()
 
     # -- LoRA adapters at run time ------------------------------------------------------------
+    def lora_requests(self) -> tuple[int, list[str], list[str]]:
+        """The adapters loaded (all may run at once), and those of the running and of the
+        waiting requests (what vLLM's `lora_requests_info` gauge reports)."""
+        if self._adapters is None:
+            return 0, [], []
+        names = self._adapters.names()
+        running = list(self._loop.scheduler.running)
+        ids = {id(r) for r in running}
+        busy = [names[r.adapter] for r in running if r.adapter in names]
+        waiting = [names[r.adapter] for r in list(self._live.values())
+                   if r.adapter in names and id(r) not in ids]  # fmt: skip
+        return len(names), busy, waiting
+
     async def load_adapter(self, name: str, path: str) -> None:
         """Read, check and make resident an adapter (InvalidRequest with the reason)."""
         if self._adapters is None:

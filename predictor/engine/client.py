@@ -86,6 +86,10 @@ class EngineClient(Protocol):
         """Read, check and make resident a LoRA adapter (InvalidRequest with the reason)."""
         ...
 
+    def lora_requests(self) -> tuple[int, list[str], list[str]]:
+        """Adapters that may run at once; those of the running and of the waiting requests."""
+        ...
+
     async def unload_adapter(self, name: str) -> None:
         """Requests naming it get ModelMissing from now on."""
         ...
@@ -205,6 +209,9 @@ class AdapterClient:
 
     async def load_adapter(self, name: str, path: str) -> None:
         await self.engine.load_adapter(name, path)
+
+    def lora_requests(self) -> tuple[int, list[str], list[str]]:
+        return self.engine.lora_requests()
 
     async def unload_adapter(self, name: str) -> None:
         await self.engine.unload_adapter(name)

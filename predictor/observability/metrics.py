@@ -19,10 +19,13 @@ num_gpu_blocks}`, read by the endpoint picker's prefix scorer).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from predictor.observability.statistics import InferenceStatistics
 from predictor.observability.tenants import NO_TENANT
@@ -69,6 +72,8 @@ class Metrics:
         self, registry: CollectorRegistry, model_name: str, vllm_aliases: bool = False
     ) -> None:
         self.model_name = model_name
+        self._registry = registry
+        self._vllm_aliases = vllm_aliases
         labels = ["model"]
         self.ttft = Histogram(
             "predictor_time_to_first_token_seconds", "Time from request to its first token.",
@@ -227,6 +232,15 @@ class Metrics:
         self._track(self.running, "predictor_num_requests_running", running)
         self._track(self.waiting, "predictor_num_requests_waiting", waiting)
 
+    def track_lora(self, read: Callable[[], LoraRequests]) -> None:
+        """The LoRA adapters' gauge the Gateway API Inference Extension routes by (vLLM's
+        `vllm:lora_requests_info`): one series, read at each scrape, labelled with how many
+        adapters may run at once and the adapters of the running and the waiting requests
+        (comma-separated); its value is the time it was read, as vLLM's (the picker takes the
+        newest series)."""
+        names = [LORA_INFO] + ([VLLM_LORA_INFO] if self._vllm_aliases else [])
+        self._registry.register(_LoraInfo(names, read))
+
     def track_kv_cache(self, usage: Callable[[], float]) -> None:
         """`usage`: the fraction of the KV-cache budget in use now, read at each scrape."""
         self._track(self.kv_cache_usage, "predictor_kv_cache_usage_ratio", usage)
@@ -288,3 +302,28 @@ class Metrics:
         """When a request gets its row: how long it waited."""
         self.queue_time.labels(self.model_name).observe(seconds)
         self.statistics.record_queue(seconds)
+
+
+LORA_INFO = "predictor_lora_requests_info"
+VLLM_LORA_INFO = "vllm:lora_requests_info"
+# (adapters that may run at once, adapters of running requests, of waiting ones)
+LoraRequests = tuple[int, list[str], list[str]]
+
+
+class _LoraInfo(Collector):
+    def __init__(self, names: list[str], read: Callable[[], LoraRequests]) -> None:
+        self._names = names
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        max_lora, running, waiting = self._read()
+        values = [str(max_lora), ",".join(sorted(set(running))), ",".join(sorted(set(waiting)))]
+        for name in self._names:
+            family = GaugeMetricFamily(
+                name,
+                "LoRA adapters: how many may run at once, of the running and the waiting "
+                "requests (vLLM's); the value is when it was read",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            family.add_metric(values, time.time())
+            yield family

@@ -37,6 +37,7 @@ class LLMPredictor(Model):
         self.limits = limits
         self.observer = observer
         observer.metrics.track_engine(llm.running, llm.waiting)
+        observer.metrics.track_lora(llm.lora_requests)
         observer.metrics.track_ready(lambda: bool(self.ready) and llm.ready())
         self.engine = True  # KServe awaits start_engine() on the server's event loop
 

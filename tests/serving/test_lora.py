@@ -5,43 +5,17 @@ without; an unknown name is a 404; an adapter that cannot be served stops the st
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
-from safetensors.torch import save_file
 
+from load.random_lora import write_adapter
 from tests.support import ServerProcess, run_predictor
-
-
-def write_adapter(folder: Path, model_dir: Path, rank: int, seed: int) -> Path:
-    """A PEFT adapter on every projection, random factors, for the checkpoint's shapes."""
-    config = json.loads((model_dir / "config.json").read_text())
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config["num_key_value_heads"] * head_dim
-    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
-              "o_proj": (heads * head_dim, hidden), "gate_proj": (hidden, config["intermediate_size"]),
-              "up_proj": (hidden, config["intermediate_size"]),
-              "down_proj": (config["intermediate_size"], hidden)}  # fmt: skip
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(config["num_hidden_layers"]):
-        for name, (features_in, features_out) in shapes.items():
-            owner = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{owner}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, features_in, generator=generator)
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(
-                features_out, rank, generator=generator
-            )
-    folder.mkdir(parents=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    body = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes)}
-    (folder / "adapter_config.json").write_text(json.dumps(body))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +76,8 @@ def test_an_adapter_that_cannot_be_served_stops_the_start(
 
 @pytest.fixture(scope="module")
 def runtime(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
-    extra = ["--allow-runtime-lora", "true", "--max-tokens-limit", "512"]
+    extra = ["--allow-runtime-lora", "true", "--max-tokens-limit", "512",
+             "--vllm-metric-aliases", "true"]  # fmt: skip
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as proc:
         yield proc
 
@@ -180,3 +155,38 @@ def test_an_adapter_unloaded_mid_stream_finishes_that_stream_with_it(
 def test_run_time_loading_is_off_unless_allowed(adapted: ServerProcess, tmp_path: Path) -> None:
     r = post(adapted, "load_lora_adapter", {"lora_name": "x", "lora_path": str(tmp_path)})
     assert r.status_code == 403 and "--allow-runtime-lora" in r.json()["error"]["message"]
+
+
+def lora_info(server: ServerProcess) -> dict[str, tuple[dict[str, str], float]]:
+    found = {}
+    for line in httpx.get(f"{server.base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(("predictor_lora_requests_info{", "vllm:lora_requests_info{")):
+            name, rest = line.split("{", 1)
+            labels, value = rest.rsplit("} ", 1)
+            found[name] = (dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
+    return found
+
+
+def test_the_lora_gauge_names_running_adapters_as_the_picker_reads_it(
+    runtime: ServerProcess, tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    path = str(write_adapter(tmp_path / "g", tiny_gptq_dir, 8, 9))
+    assert post(runtime, "load_lora_adapter", {"lora_name": "gauged", "lora_path": path}).is_success
+    before = time.time()
+    idle = lora_info(runtime)
+    assert set(idle) == {"predictor_lora_requests_info", "vllm:lora_requests_info"}
+    labels, value = idle["vllm:lora_requests_info"]
+    assert int(labels["max_lora"]) >= 1 and value >= before - 1
+    body = {"model": "gauged", "prompt": "Go", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    seen = []
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{runtime.base_url}/v1/completions", json=body) as response,
+    ):
+        for n, _ in enumerate(response.iter_lines()):
+            if n == 3:
+                seen.append(lora_info(runtime)["vllm:lora_requests_info"][0])
+    assert seen and "gauged" in seen[0]["running_lora_adapters"].split(",")
+    assert lora_info(runtime)["vllm:lora_requests_info"][0]["running_lora_adapters"] == ""
+    post(runtime, "unload_lora_adapter", {"lora_name": "gauged"})
