@@ -96,32 +96,60 @@ void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out,
     }
 }
 
-/* LoRA's products for each row's own adapter (BGMV): out[t] += B (A x[t]) for row t with table
-   index which[t] >= 0, whose factors are a[i] (fp32 A^T [in][r]) and b[i] (fp32 B^T [r][n]) of
-   rank ranks[i] (0: none for this projection); bf16 x and out, fp32 sums, one rounding. */
+/* LoRA's products for each row with its own adapter: out[t] += B (A x[t]) for every module of
+   the projection group that the row's adapter adapts. Rows come in `order`, grouped by their
+   adapter's table row (which[t]; -1: the base model, nothing to add); a run of rows of one
+   adapter reads its factors once (SGMV), 16 rows at a time. Per table row i and module m
+   (i * MODULES + m): bf16 A^T [in][r] at a[], bf16 B^T [r][width] at b[] (the scale folded in),
+   rank r (0: not adapted), the module's first column in out and its width. fp32 sums, one
+   rounding into the bf16 out. */
+#define LORA_ROWS 16
+#define LORA_COLUMNS 512
 void lora_add(const uint16_t *x, int64_t x_stride, int64_t rows, const int64_t *which,
-              const int64_t *a, const int64_t *b, const int64_t *ranks, int64_t in, int64_t n,
+              const int64_t *order, const int64_t *a, const int64_t *b, const int64_t *ranks,
+              const int64_t *columns, const int64_t *widths, int64_t modules, int64_t in,
               uint16_t *out, int64_t out_stride, int64_t threads) {
     (void)threads;
-    for (int64_t t = 0; t < rows; t++) {
-        const int64_t i = which[t], r = i < 0 ? 0 : ranks[i];
-        if (r <= 0 || r > 256) continue;
-        const float *at = (const float *)(intptr_t)a[i], *bt = (const float *)(intptr_t)b[i];
-        const uint16_t *xt = x + t * x_stride;
-        float h[256], acc[n];
-        for (int64_t k = 0; k < r; k++) h[k] = 0.0f;
-        for (int64_t c = 0; c < in; c++) {
-            const float xc = from_bf16(xt[c]);
-            const float *row = at + c * r;
-            for (int64_t k = 0; k < r; k++) h[k] += xc * row[k];
+    float h[LORA_ROWS][256], acc[LORA_ROWS][LORA_COLUMNS];
+    for (int64_t start = 0; start < rows;) {
+        const int64_t adapter = which[order[start]];
+        int64_t end = start + 1;
+        while (end < rows && end - start < LORA_ROWS && which[order[end]] == adapter) end++;
+        const int64_t count = end - start;
+        for (int64_t m = 0; adapter >= 0 && m < modules; m++) {
+            const int64_t slot = adapter * modules + m, r = ranks[slot];
+            if (r <= 0 || r > 256) continue;
+            const uint16_t *at = (const uint16_t *)(intptr_t)a[slot];
+            const uint16_t *bt = (const uint16_t *)(intptr_t)b[slot];
+            for (int64_t q = 0; q < count; q++)
+                for (int64_t k = 0; k < r; k++) h[q][k] = 0.0f;
+            for (int64_t c = 0; c < in; c++) { /* h = x A^T, each A^T row read once */
+                float arow[256];
+                for (int64_t k = 0; k < r; k++) arow[k] = from_bf16(at[c * r + k]);
+                for (int64_t q = 0; q < count; q++) {
+                    const float xc = from_bf16(x[order[start + q] * x_stride + c]);
+                    for (int64_t k = 0; k < r; k++) h[q][k] += xc * arow[k];
+                }
+            }
+            const int64_t width = widths[slot], column = columns[slot];
+            for (int64_t j0 = 0; j0 < width; j0 += LORA_COLUMNS) { /* out += h B^T */
+                const int64_t span = width - j0 < LORA_COLUMNS ? width - j0 : LORA_COLUMNS;
+                for (int64_t q = 0; q < count; q++)
+                    for (int64_t j = 0; j < span; j++) acc[q][j] = 0.0f;
+                for (int64_t k = 0; k < r; k++) {
+                    float brow[LORA_COLUMNS];
+                    for (int64_t j = 0; j < span; j++) brow[j] = from_bf16(bt[k * width + j0 + j]);
+                    for (int64_t q = 0; q < count; q++) {
+                        const float hk = h[q][k];
+                        for (int64_t j = 0; j < span; j++) acc[q][j] += hk * brow[j];
+                    }
+                }
+                for (int64_t q = 0; q < count; q++) {
+                    uint16_t *o = out + order[start + q] * out_stride + column + j0;
+                    for (int64_t j = 0; j < span; j++) o[j] = to_bf16(from_bf16(o[j]) + acc[q][j]);
+                }
+            }
         }
-        for (int64_t j = 0; j < n; j++) acc[j] = 0.0f;
-        for (int64_t k = 0; k < r; k++) {
-            const float hk = h[k];
-            const float *row = bt + k * n;
-            for (int64_t j = 0; j < n; j++) acc[j] += hk * row[j];
-        }
-        uint16_t *o = out + t * out_stride;
-        for (int64_t j = 0; j < n; j++) o[j] = to_bf16(from_bf16(o[j]) + acc[j]);
+        start = end;
     }
 }

@@ -54,13 +54,17 @@ def group_tokens(slots: Sequence[int], device: torch.device) -> Groups:
     ]
 
 
+MODULES = 3  # table entries per adapter and group: the most modules a group stacks (q, k, v)
+
+
 @dataclass(frozen=True)
 class Tables:
-    """Per (layer, group): the resident adapters' A^T and B^T addresses and ranks, int64
-    [adapters] (rank 0 where an adapter leaves that projection alone), rows as `index` says."""
+    """Per (layer, group), for the native kernel: int64 [adapters * MODULES] of each adapter's
+    modules' bf16 A^T and B^T addresses, ranks (0: not adapted), first columns in the group's
+    output and widths; an adapter's entries at its row (`index`) * MODULES."""
 
     index: dict[int, int]  # slot -> its row in every table
-    by_group: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    by_group: dict[tuple[int, str], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class Step:
 
     groups: Groups
     which: torch.Tensor
+    order: torch.Tensor  # the tokens, grouped by adapter (each adapter's factors read once)
     tables: Tables
 
 
@@ -86,6 +91,9 @@ class LoraWeights:
         self.layers = layers  # the model's decoder layers
         self.device = device
         self._slots: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
+        # per slot, per (layer, module): bf16 A^T [in, r] and B^T [r, out], the scale folded
+        # in (the native kernel's: a quarter of the fp32 stacks' bytes, no zero blocks)
+        self._modules: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
         self._tables = Tables({}, {})  # replaced whole when adapters come and go
         # layer_ops.c's lora_add (a bf16 model on the native path), else torch's matmuls
         self.kernel: Any = None
@@ -122,23 +130,39 @@ class LoraWeights:
                     b.T.contiguous().to(self.device),
                 )
         self._slots[slot] = stacked
+        self._modules[slot] = {
+            key: (a.T.contiguous().to(self.device, torch.bfloat16),
+                  (b * scale).T.contiguous().to(self.device, torch.bfloat16))
+            for key, (a, b) in factors.items()
+        }  # fmt: skip
         self._tables = self._build_tables()
 
     def remove(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        self._modules.pop(slot, None)
         self._tables = self._build_tables()
 
     def _build_tables(self) -> Tables:
-        slots = dict(self._slots)
-        index = {slot: i for i, slot in enumerate(slots)}
-        by_group = {}
+        resident = dict(self._modules)
+        index = {slot: i for i, slot in enumerate(resident)}
+        by_group: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
         for layer in range(self.layers):
-            for group in GROUPS:
-                factors = [slots[slot].get((layer, group)) for slot in index]
+            for group, modules in GROUPS.items():
+                entries = []  # (A^T, B^T, column, width) per adapter and module slot
+                for slot in index:
+                    column = 0
+                    for m in range(MODULES):
+                        module = modules[m] if m < len(modules) else None
+                        pair = resident[slot].get((layer, module)) if module else None
+                        width = self.shapes[module][1] if module else 0
+                        entries.append((pair, column, width))
+                        column += width
                 by_group[(layer, group)] = (
-                    torch.tensor([0 if f is None else f[0].data_ptr() for f in factors]),
-                    torch.tensor([0 if f is None else f[1].data_ptr() for f in factors]),
-                    torch.tensor([0 if f is None else f[0].shape[1] for f in factors]),
+                    torch.tensor([p[0].data_ptr() if p else 0 for p, _, _ in entries]),
+                    torch.tensor([p[1].data_ptr() if p else 0 for p, _, _ in entries]),
+                    torch.tensor([p[0].shape[1] if p else 0 for p, _, _ in entries]),
+                    torch.tensor([c for _, c, _ in entries]),
+                    torch.tensor([w for _, _, w in entries]),
                 )
         return Tables(index, by_group)
 
@@ -148,7 +172,8 @@ class LoraWeights:
             return None
         tables = self._tables
         which = torch.tensor([tables.index.get(s, -1) if s else -1 for s in slots])
-        return Step(group_tokens(slots, self.device), which, tables)
+        order = torch.argsort(which, stable=True)
+        return Step(group_tokens(slots, self.device), which, order, tables)
 
     def apply(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, step: Step
@@ -158,7 +183,7 @@ class LoraWeights:
         if self.kernel is not None and x.dtype == out.dtype == torch.bfloat16:
             # one call for every row, each with its own adapter (BGMV)
             tables = step.tables.by_group[(layer, group)]
-            self.kernel.lora_add(x.contiguous(), step.which, tables, out)
+            self.kernel.lora_add(x.contiguous(), step.which, step.order, tables, MODULES, out)
             return out
         for slot, tokens in step.groups:
             stacked = self._slots.get(slot, {}).get((layer, group))

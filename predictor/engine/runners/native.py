@@ -106,8 +106,9 @@ PROTOTYPES = {
         void rope_write(ptr qkv, i64 n, i64 heads, i64 kv_heads, ptr cos, ptr sin, ptr pool,
                         i64 slots, ptr slots_of, i64 threads)
         void silu_mul(ptr gate_up, i64 n, i64 inner, ptr out, i64 threads)
-        void lora_add(ptr x, i64 x_stride, i64 rows, ptr which, ptr a, ptr b, ptr ranks, i64 in,
-                      i64 n, ptr out, i64 out_stride, i64 threads)""",
+        void lora_add(ptr x, i64 x_stride, i64 rows, ptr which, ptr order, ptr a, ptr b,
+                      ptr ranks, ptr columns, ptr widths, i64 modules, i64 in, ptr out,
+                      i64 out_stride, i64 threads)""",
 }
 CTYPES: dict[str, Any] = {
     "void": None,
