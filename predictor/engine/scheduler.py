@@ -24,8 +24,6 @@ Thread-safety: adapters add requests from the event loop thread (`add`, `add_all
 
 from __future__ import annotations
 
-import bisect
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -33,13 +31,7 @@ from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.request import Request
 from predictor.engine.speculation import Policy, Proposer
 from predictor.engine.step import StepRow
-from predictor.errors import Overloaded
-
-
-def order(request: Request) -> tuple[int, float]:
-    """Who comes first: a lower priority (vLLM's: lower runs sooner), then the earlier
-    arrival."""
-    return request.params.priority, request.arrival
+from predictor.engine.waiting import WaitingQueue, order
 
 
 @dataclass
@@ -85,8 +77,8 @@ class Schedule:
 
 
 class Scheduler:
-    """First come, first served, within `max_batch_size` rows, the KV cache and a per-step
-    budget of `max_step_tokens` fed tokens."""
+    """In the queue's order (priority, then arrival), within `max_batch_size` rows, the KV
+    cache and a per-step budget of `max_step_tokens` fed tokens."""
 
     def __init__(
         self,
@@ -98,40 +90,25 @@ class Scheduler:
         speculation: tuple[Proposer, Policy] | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
-        self.max_waiting = max_waiting
         # the cache this scheduler spends (a hand-built one for the scheduler's own tests)
         self.allocator = allocator if allocator is not None else BlockAllocator(256, 16)
         self.max_step_tokens = max_step_tokens
         self.prefix_caching = prefix_caching
         # speculative decoding: who drafts, and whether a step's drafts pay (None: off)
         self.speculation = speculation
-        self.running: list[Request] = []  # admitted, holding blocks, oldest first
-        self._waiting: list[Request] = []  # in `order`
-        self._lock = threading.Lock()
+        self.running: list[Request] = []  # admitted, holding blocks, in admission order
+        self.queue = WaitingQueue(max_waiting)  # the rest, in `order`
 
     # -- the queue (any thread) -----------------------------------------------------------------
     def add(self, request: Request) -> None:
-        with self._lock:
-            if len(self._waiting) >= self.max_waiting:
-                raise Overloaded(
-                    f"server is busy: {len(self._waiting)} requests already waiting; retry later"
-                )
-            bisect.insort_right(self._waiting, request, key=order)
+        self.queue.add([request])
 
     def add_all(self, requests: list[Request]) -> None:
-        """Queue every one of `requests` or none (Overloaded): a request with several prompts
-        is one unit, so a refusal never leaves part of it running."""
-        with self._lock:
-            if len(self._waiting) + len(requests) > self.max_waiting:
-                raise Overloaded(
-                    f"server is busy: {len(self._waiting)} requests already waiting, "
-                    f"{len(requests)} more do not fit; retry later"
-                )
-            for request in requests:
-                bisect.insort_right(self._waiting, request, key=order)
+        """Queue every one of `requests` or none (Overloaded)."""
+        self.queue.add(requests)
 
     def waiting(self) -> int:
-        return len(self._waiting)
+        return len(self.queue)
 
     def rows(self) -> int:
         """Requests holding a row now (any thread: one read of a list's length)."""
@@ -139,26 +116,15 @@ class Scheduler:
 
     def drop_aborted(self) -> list[Request]:
         """Remove and return waiting requests that were aborted before they got a row."""
-        with self._lock:
-            gone = [r for r in self._waiting if r.aborted]
-            if gone:
-                self._waiting = [r for r in self._waiting if not r.aborted]
-        return gone
+        return self.queue.drop(lambda r: r.aborted)
 
     def drop_expired(self, now: float) -> list[Request]:
         """Remove and return waiting requests whose deadline passed before they got a row."""
-        with self._lock:
-            gone = [r for r in self._waiting if r.deadline is not None and now >= r.deadline]
-            if gone:
-                self._waiting = [r for r in self._waiting if r not in gone]
-        return gone
+        return self.queue.drop(lambda r: r.deadline is not None and now >= r.deadline)
 
     def drain(self) -> list[Request]:
         """Remove and return every waiting request."""
-        with self._lock:
-            gone = list(self._waiting)
-            self._waiting.clear()
-        return gone
+        return self.queue.drop(lambda r: True)
 
     # -- the step (the step loop's thread) ---------------------------------------------------
     def schedule(self) -> Schedule:
@@ -196,9 +162,8 @@ class Scheduler:
         cache = self.allocator
         size = cache.block_size
         headroom = max(1, cache.num_blocks // 100)  # vLLM's watermark: 1% of the blocks
-        with self._lock:
-            while self._waiting:
-                request = self._waiting[0]
+        with self.queue.lock:
+            while (request := self.queue.head()) is not None:
                 running = len(self.running) + len(admitted)
                 total = request.total_tokens
                 hit: list[int] = []
@@ -212,8 +177,7 @@ class Scheduler:
                     last = max(self.running, key=order, default=None)
                     if schedule is None or last is None or order(last)[0] <= order(request)[0]:
                         break
-                    self._preempt(last, schedule, queue=False)  # the lock is held: below
-                    bisect.insort_right(self._waiting, last, key=order)
+                    self._preempt(last, schedule)
                     continue
                 cache.share(hit)
                 # room to grow adjacent: the output's blocks, up to 16 of them
@@ -223,7 +187,7 @@ class Scheduler:
                 request.registered = len(hit)
                 if not request.preemptions:
                     request.cached_prompt_tokens = request.cached
-                admitted.append(self._waiting.pop(0))
+                admitted.append(self.queue.pop_head())
         return admitted
 
     def _grow(self, schedule: Schedule) -> None:
@@ -251,18 +215,15 @@ class Scheduler:
             request.blocks.extend(self.allocator.allocate(1, after))
             i += 1
 
-    def _preempt(self, request: Request, schedule: Schedule, queue: bool = True) -> None:
+    def _preempt(self, request: Request, schedule: Schedule) -> None:
         """Take the row out of the batch, free its blocks and queue it to be recomputed, in
-        its place in order (past the waiting limit: it was admitted once); `queue` False:
-        the caller holds the queue's lock and queues it."""
+        its place in order (past the waiting limit: it was admitted once)."""
         self.running.remove(request)
         self.free(request)
         request.cached = request.registered = 0
         request.preemptions += 1
         schedule.preempted.append(request)
-        if queue:
-            with self._lock:
-                bisect.insort_right(self._waiting, request, key=order)
+        self.queue.requeue(request)
 
     def _plan(self, schedule: Schedule) -> None:
         """Every decoding row one token (some with drafts to verify), then prompt chunks

@@ -21,7 +21,7 @@ def running_engine(
     tiny: Tiny, max_batch_size: int = 8, max_waiting: int = 64
 ) -> Iterator[AsyncEngine]:
     loop = new_loop(tiny.runner(), frozenset(), max_batch_size=max_batch_size)
-    loop.scheduler.max_waiting = max_waiting
+    loop.scheduler.queue.limit = max_waiting
     engine = AsyncEngine(loop, tiny.tokenizer, max_tokens_limit=64, max_prompt_tokens=100)
     engine.start()
     try:

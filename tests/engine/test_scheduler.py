@@ -172,7 +172,7 @@ def test_a_waiting_request_preempts_running_rows_of_a_lower_priority() -> None:
     schedule = s.schedule()
     assert schedule.preempted == [batch] and schedule.admitted == [urgent]
     assert s.running == [equal, urgent] and batch.blocks == [] and batch.preemptions == 1
-    assert s.waiting() == 2 and s._waiting == [batch, same]  # priority 3, by arrival
+    assert s.waiting() == 2 and list(s.queue) == [batch, same]  # priority 3, by arrival
     s.allocator.audit([equal.blocks, urgent.blocks])
 
 
@@ -196,4 +196,4 @@ def test_a_dry_cache_preempts_the_lowest_priority_row_first() -> None:
     third = s.schedule()
     assert third.preempted == [background]
     assert s.running == [urgent, normal] and [len(r.blocks) for r in s.running] == [3, 3]
-    assert s._waiting == [background]
+    assert list(s.queue) == [background]
