@@ -77,6 +77,10 @@ class Adapters:
                 raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
             self._retired.add(loaded.slot)
 
+    def retiring(self) -> bool:
+        """Whether unloaded adapters' weights wait to be freed (a step's cheap check)."""
+        return bool(self._retired)
+
     def free_unused(self, in_use: Collection[int]) -> None:
         """Free the weights of unloaded adapters that no request uses (the step loop's
         thread, between steps)."""

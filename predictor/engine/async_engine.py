@@ -191,7 +191,7 @@ class AsyncEngine:
         try:
             if self._on_step is not None:
                 self._on_step(stats)
-            if self._adapters is not None:  # unloaded adapters' weights, once unused
+            if self._adapters is not None and self._adapters.retiring():  # once unused
                 in_use = {r.adapter for r in list(self._live.values())}
                 in_use |= {r.adapter for r in list(self._loop.scheduler.running)}
                 self._adapters.free_unused(in_use)
