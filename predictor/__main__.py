@@ -87,6 +87,7 @@ def build_engine(
         max_step_tokens=settings.max_step_tokens,
         prefix_caching=settings.prefix_caching,
         speculation=speculation,
+        max_loras=settings.max_loras,
     )
     step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
@@ -127,10 +128,12 @@ def _adapters(settings: Settings, runner: Runner) -> Adapters | None:
         return adapter
 
     adapters = Adapters(
-        read, lambda slot, a: runner.add_adapter(slot, a.factors, a.scale), lora.remove
+        read,
+        lambda slot, a: runner.add_adapter(slot, a.factors, a.scale),
+        lora.remove,
+        limit=settings.max_cpu_loras,
     )
-    for entry in settings.lora_modules:
-        name, _, path = entry.partition("=")
+    for name, path in settings.adapters:
         adapters.load(name, path)
     return adapters
 
@@ -219,8 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     limits = Limits(settings.default_max_tokens, settings.max_json_depth)
     predictor = LLMPredictor(name, engine, limits, observer)
-    pairs = (entry.split("=", 1) for entry in settings.lora_modules)
-    adapters = [AdapterPredictor(adapter, predictor, path) for adapter, path in pairs]
+    adapters = [AdapterPredictor(adapter, predictor, path) for adapter, path in settings.adapters]
     if name in {a.name for a in adapters}:
         print(f"predictor: a LoRA adapter may not be named {name!r}, as the model is",
               file=sys.stderr)  # fmt: skip

@@ -7,6 +7,7 @@ This is the only module that looks at argv or the environment; everything else r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -89,6 +90,8 @@ class Settings:
     # folders, all resident; a request picks one by its name as the model's
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
+    max_loras: int = 0  # distinct adapters in one step (vLLM's meaning); 0: any number
+    max_cpu_loras: int = 0  # adapters loaded at once; 0: any number
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
@@ -143,6 +146,12 @@ class Settings:
         settings.check()
         return settings
 
+    @property
+    def adapters(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path): `NAME=PATH`, or vLLM's JSON form `{"name": NAME,
+        "path": PATH}` (what KServe's LLMInferenceService passes)."""
+        return [_lora_module(entry) for entry in self.lora_modules]
+
     def check(self) -> None:
         if self.default_max_tokens < 1 or self.max_tokens_limit < 1:
             raise ValueError("max token settings must be at least 1")
@@ -161,12 +170,14 @@ class Settings:
                 f"--speculative must be one of {', '.join(SPECULATIVE)} and "
                 "--num-speculative-tokens between 1 and 16"
             )
-        names = [entry.partition("=")[0] for entry in self.lora_modules]
-        if any("=" not in e or not e.partition("=")[0] or not e.partition("=")[2]
-               for e in self.lora_modules) or len(set(names)) != len(names):  # fmt: skip
-            raise ValueError("--lora-modules takes NAME=PATH entries, each name once")
-        if not 1 <= self.max_lora_rank <= 256:
-            raise ValueError("--max-lora-rank must be between 1 and 256")
+        names = [name for name, _ in self.adapters]  # raises for a malformed entry
+        if len(set(names)) != len(names):
+            raise ValueError("--lora-modules names each adapter once")
+        if not 1 <= self.max_lora_rank <= 256 or min(self.max_loras, self.max_cpu_loras) < 0:
+            raise ValueError("--max-lora-rank must be between 1 and 256, --max-loras and "
+                             "--max-cpu-loras at least 0")  # fmt: skip
+        if 0 < self.max_cpu_loras < len(names):
+            raise ValueError(f"{len(names)} --lora-modules exceed --max-cpu-loras")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
         for path in (self.ssl_certfile, self.ssl_keyfile):
@@ -263,6 +274,10 @@ _HELP = {
     "adapter_config.json and adapter_model.safetensors); a request runs one by naming it as "
     "its model (OpenAI `model`, the V2 / OIP / Triton path); vLLM's flag",
     "max_lora_rank": "highest adapter rank accepted (vLLM's flag)",
+    "max_loras": "most distinct adapters in one step; a request of another adapter waits for "
+    "a row of one to end (vLLM's flag; 0: any number)",
+    "max_cpu_loras": "most adapters loaded at once; loading more is refused (vLLM's flag; 0: "
+    "any number)",
     "allow_runtime_lora": "allow POST /v1/load_lora_adapter {lora_name, lora_path} and "
     "/v1/unload_lora_adapter {lora_name} (vLLM's; it asks VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     "max_waiting": "most requests waiting for a batch row; more are refused",
@@ -378,4 +393,23 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             }.get(f.name),
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
+    # vLLM's switch for serving adapters: this server serves them without it
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="vLLM's; adapters need no switch here"
+    )
     return parser
+
+
+def _lora_module(entry: str) -> tuple[str, str]:
+    if entry.startswith("{"):
+        try:
+            spec = json.loads(entry)
+        except ValueError as exc:
+            raise ValueError(f"--lora-modules: {entry!r} is not JSON ({exc})") from exc
+        name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (0, 0)
+    else:
+        name, _, path = entry.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise ValueError(f"--lora-modules: {entry!r} is neither NAME=PATH nor "
+                         '{"name": NAME, "path": PATH}')  # fmt: skip
+    return name, path

@@ -119,3 +119,18 @@ def test_vllm_flag_names_set_the_same_settings(tmp_path: Path) -> None:
         Settings.from_sources(["--ssl-certfile", str(cert)], {})
     with pytest.raises(ValueError, match="no such file"):
         Settings.from_sources(["--ssl-certfile", str(cert), "--ssl-keyfile", "/nowhere"], {})
+
+
+def test_lora_flags_as_vllm_and_kserves_llminferenceservice_write_them() -> None:
+    argv = ["--enable-lora", "--max-lora-rank=16", "--max-loras=2", "--max-cpu-loras=4",
+            "--lora-modules", '{"name": "sql", "path": "/mnt/lora/sql"}',
+            '{"name": "publishers/ns/models/sql", "path": "/mnt/lora/sql"}', "chat=/adapters/chat"]  # fmt: skip
+    s = Settings.from_sources(argv, {})
+    assert s.adapters == [("sql", "/mnt/lora/sql"), ("publishers/ns/models/sql", "/mnt/lora/sql"),
+                          ("chat", "/adapters/chat")]  # fmt: skip
+    assert (s.max_lora_rank, s.max_loras, s.max_cpu_loras) == (16, 2, 4)
+    for bad in (["--lora-modules", "sql"], ["--lora-modules", '{"name": "x"}'],
+                ["--lora-modules", "a=/p", "a=/q"], ["--lora-modules", "{not json"],
+                ["--max-cpu-loras", "1", "--lora-modules", "a=/p", "b=/q"]):  # fmt: skip
+        with pytest.raises(ValueError, match="lora"):
+            Settings.from_sources(bad, {})

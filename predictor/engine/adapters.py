@@ -30,10 +30,12 @@ class Adapters:
         read: Callable[[str, str], Any],
         install: Callable[[int, Any], None],
         remove: Callable[[int], None],
+        limit: int = 0,
     ) -> None:
         self._read = read  # (name, path) -> an adapter; raises a PredictorError saying why not
         self._install = install  # (slot, adapter): resident in the runner
         self._remove = remove  # (slot): its weights freed (the step loop's thread)
+        self.limit = limit  # most adapters loaded at once (--max-cpu-loras; 0: any number)
         self._lock = threading.Lock()
         self._by_name: dict[str, Loaded] = {}
         self._loading: set[str] = set()
@@ -56,6 +58,9 @@ class Adapters:
         with self._lock:
             if name in self._by_name or name in self._loading:
                 raise InvalidRequest(f"LoRA adapter '{name}' is already loaded", "lora_name")
+            if self.limit and len(self._by_name) + len(self._loading) >= self.limit:
+                raise InvalidRequest(f"{self.limit} LoRA adapters are loaded (--max-cpu-loras); "
+                                     "unload one first", "lora_name")  # fmt: skip
             self._loading.add(name)
         try:
             adapter = self._read(name, path)

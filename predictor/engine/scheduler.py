@@ -88,6 +88,7 @@ class Scheduler:
         max_step_tokens: int = 256,
         prefix_caching: bool = True,
         speculation: tuple[Proposer, Policy] | None = None,
+        max_loras: int = 0,
     ) -> None:
         self.max_batch_size = max_batch_size
         # the cache this scheduler spends (a hand-built one for the scheduler's own tests)
@@ -98,6 +99,7 @@ class Scheduler:
         self.speculation = speculation
         self.running: list[Request] = []  # admitted, holding blocks, in admission order
         self.queue = WaitingQueue(max_waiting)  # the rest, in `order`
+        self.max_loras = max_loras  # distinct LoRA adapters in one step (0: any number)
 
     # -- the queue (any thread) -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -171,6 +173,8 @@ class Scheduler:
                     hit = cache.match(request.block_keys((total - 1) // size, size))
                 new = blocks_for(total, size) - len(hit)
                 spare = headroom if running else 0
+                if self._another_adapter(request, admitted):
+                    break  # it waits for a row of one of the step's adapters to end
                 if running >= self.max_batch_size or (
                     cache.available - cache.unheld(hit) < new + spare
                 ):
@@ -189,6 +193,13 @@ class Scheduler:
                     request.cached_prompt_tokens = request.cached
                 admitted.append(self.queue.pop_head())
         return admitted
+
+    def _another_adapter(self, request: Request, admitted: list[Request]) -> bool:
+        """Whether `request` would bring a LoRA adapter past --max-loras in a step."""
+        if not self.max_loras or not request.adapter:
+            return False
+        adapters = {r.adapter for r in (*self.running, *admitted) if r.adapter}
+        return request.adapter not in adapters and len(adapters) >= self.max_loras
 
     def _grow(self, schedule: Schedule) -> None:
         """Give each decoding row, in order, the block its next token needs; when none is

@@ -197,3 +197,17 @@ def test_a_dry_cache_preempts_the_lowest_priority_row_first() -> None:
     assert third.preempted == [background]
     assert s.running == [urgent, normal] and [len(r.blocks) for r in s.running] == [3, 3]
     assert list(s.queue) == [background]
+
+
+def test_max_loras_bounds_the_distinct_adapters_of_a_step() -> None:
+    s = Scheduler(max_batch_size=8, max_waiting=10, allocator=BlockAllocator(64, 4), max_loras=1)
+    first, same, other, base = (prioritized(4, 0, r) for r in ("first", "same", "other", "base"))
+    first.adapter, same.adapter, other.adapter = 1, 1, 2
+    for request in (first, same, other, base):
+        s.add(request)
+    # adapter 1's rows run; adapter 2's waits for them, and (in order) the base row behind it
+    assert s.schedule().admitted == [first, same]
+    for request in (first, same):
+        request.finish_reason = FinishReason.LENGTH
+    s.remove_finished()
+    assert s.schedule().admitted == [other, base]
