@@ -8,9 +8,7 @@ tokens) per step), and attention reads a row's own positions only.
 
 The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
 Linear replacement works; attention and the cache are ours. Llama-family decoders and their
-kin (config.MODEL_TYPES): Qwen's biases and q/k norms, Phi-3's stored-fused projections, Gemma 2's
-sandwich norms and soft-capped logits, Gemma 3's per-layer rotary tables and sliding windows are
-the differences handled here.
+kin (config.MODEL_TYPES): what differs between them is read once by family.py.
 """
 
 from __future__ import annotations
@@ -24,9 +22,10 @@ from typing import Any
 
 import torch
 
-from predictor.config import ATTENTION, FUSED_KERNELS, MODEL_TYPES, WINDOW_MASKED
+from predictor.config import ATTENTION, FUSED_KERNELS
 from predictor.engine.runners import autotune, memory, torch_attention
 from predictor.engine.runners.dense_linear import prepack_layer
+from predictor.engine.runners.family import family
 from predictor.engine.runners.int4_codes import release_repack_tables
 from predictor.engine.runners.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
@@ -42,11 +41,9 @@ from predictor.engine.runners.native import (
 from predictor.engine.runners.plan import StepPlan
 from predictor.engine.runners.step_cost import step_cost
 from predictor.engine.step import StepRow
-from predictor.errors import NativeUnavailable, UnsupportedModel
+from predictor.errors import NativeUnavailable
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = frozenset(MODEL_TYPES)
 
 
 class ModelRunner:
@@ -85,12 +82,6 @@ class ModelRunner:
         `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
         thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
         is ready seconds sooner, its many-row steps slower until they are built."""
-        model_type = getattr(model.config, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"model type {model_type!r} is not supported (supported: "
-                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-            )
         self.model = model
         self.device = device
         self.threads = threads
@@ -99,6 +90,7 @@ class ModelRunner:
         decoder = model.model
         self._embed = decoder.embed_tokens
         self._layers = list(decoder.layers)
+        traits = family(model, self._layers)  # UnsupportedModel for another type
         self._norm = decoder.norm
         self._rotary = decoder.rotary_emb
         self._lm_head = model.lm_head
@@ -132,31 +124,11 @@ class ModelRunner:
                 "their dense projections serve them" if prepacked else "the model's own modules "
                 "serve them, more slowly",
             )  # fmt: skip
-        # per layer: the norms before attention and before the MLP, and (Gemma 2) after each
-        self._norms = [_layer_norms(layer) for layer in self._layers]
-        self._final_norm = _rms_norm(decoder.norm)
-        # Gemma 2: attention scores and the final logits squashed by cap * tanh(x / cap)
-        self._attention_cap = getattr(config, "attn_logit_softcapping", None)
-        self._logit_cap = getattr(config, "final_logit_softcapping", None)
-        # Gemma 3: a rotary table per layer type (local and global bases), and its sliding
-        # layers attend to their last `sliding_window` keys only (masked here)
-        layer_types = list(
-            getattr(config, "layer_types", None) or ["full_attention"] * len(self._layers)
-        )
-        per_type = getattr(self._rotary, "layer_types", None) is not None
-        self._rope_kinds: list[str | None] = [t if per_type else None for t in layer_types]
-        window = getattr(config, "sliding_window", None)
-        masked = model_type in WINDOW_MASKED and window is not None
-        self._windows: list[int | None] = [
-            int(window) if masked and t == "sliding_attention" else None  # type: ignore[arg-type]
-            for t in layer_types
-        ]
-        # Qwen3: each head's query and key RMS-normed (over head_dim) before rotary
-        self._qk_norms = [
-            (_rms_norm(layer.self_attn.q_norm), _rms_norm(layer.self_attn.k_norm))
-            for layer in self._layers
-            if getattr(layer.self_attn, "q_norm", None) is not None
-        ] or None
+        # what differs between the families (family.py)
+        self._norms, self._final_norm = traits.norms, traits.final_norm
+        self._attention_cap, self._logit_cap = traits.attention_cap, traits.logit_cap
+        self._rope_kinds, self._windows = traits.rope_kinds, traits.windows
+        self._qk_norms = traits.qk_norms
         if kernel != "auto" and kernel not in FUSED_KERNELS:
             raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
         if kernel != "auto":
@@ -512,29 +484,3 @@ class ModelRunner:
             inner = mlp.act_fn(gate) * up
         down = fused.down.forward(inner) if fused is not None else mlp.down_proj(inner)
         return self.lora.apply(index, "down", inner, down, step)
-
-
-def _layer_norms(layer: Any) -> tuple[Any, Any, Any, Any]:
-    """The norms before attention, after it, before the MLP and after it: Llama's two (the
-    others pass their input on), or Gemma 2's four (its post_attention_layernorm normalises
-    attention's output; pre_feedforward_layernorm the MLP's input)."""
-    post_mlp = getattr(layer, "post_feedforward_layernorm", None)
-    if post_mlp is None:
-        return (_rms_norm(layer.input_layernorm), _unchanged,
-                _rms_norm(layer.post_attention_layernorm), _unchanged)  # fmt: skip
-    return (_rms_norm(layer.input_layernorm), _rms_norm(layer.post_attention_layernorm),
-            _rms_norm(layer.pre_feedforward_layernorm), _rms_norm(post_mlp))  # fmt: skip
-
-
-def _unchanged(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _rms_norm(module: Any) -> Any:
-    """transformers' Llama RMSNorm as one `torch.rms_norm` call (the same numbers in fp32,
-    measured; in bf16 rounded once instead of twice), or the module itself if it is another."""
-    weight, eps = getattr(module, "weight", None), getattr(module, "variance_epsilon", None)
-    if not type(module).__name__.endswith("RMSNorm") or weight is None or eps is None:
-        return module
-    shape = (int(weight.shape[0]),)
-    return lambda x: torch.rms_norm(x, shape, weight, float(eps))
