@@ -151,3 +151,36 @@ def test_through_the_step_loop_rows_of_each_adapter_run_as_alone_and_share_no_bl
     assert tokens == [*alone, alone[1]]
     # the base model's prompt blocks serve neither adapter; adapter 1's serve its second row
     assert cached[:3] == [0, 0, 0] and cached[3] > 0
+
+
+@pytest.mark.parametrize("rank", [8, 16, 24])
+def test_lora_add_gives_a_row_the_same_sums_in_any_company(rank: int) -> None:
+    """layer_ops.c's lora_add: 16 rows of one adapter in one call, interleaved with base rows,
+    are bit for bit each row alone (the sums' order never depends on the rows beside it, which
+    --batch-invariant relies on), and the base rows are left as they were."""
+    from predictor.engine.runners.layer_kernels import LayerKernels
+    from predictor.engine.runners.native import NativeUnavailable, layer_ops
+
+    try:
+        ops = layer_ops(64)
+    except NativeUnavailable:
+        pytest.skip("no C compiler: the torch path serves")
+    kernels = LayerKernels.__new__(LayerKernels)
+    kernels._ops = ops
+    generator = torch.Generator().manual_seed(rank)
+    a = [torch.randn(96, rank, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    b = [torch.randn(rank, 80, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    tables = (torch.tensor([t.data_ptr() for t in a] + [0]),
+              torch.tensor([t.data_ptr() for t in b] + [0]), torch.tensor([rank, rank, 0]),
+              torch.tensor([0, 80, 0]), torch.tensor([80, 80, 0]))  # fmt: skip
+    x = torch.randn(20, 96, generator=generator).to(torch.bfloat16)
+    which = torch.tensor([0] * 16 + [-1] * 4)[torch.randperm(20, generator=generator)]
+    start = torch.randn(20, 160, generator=generator).to(torch.bfloat16)
+    together = start.clone()
+    kernels.lora_add(x, which, torch.argsort(which, stable=True), tables, 3, together)
+    for i in range(20):
+        alone = start[i : i + 1].clone()
+        kernels.lora_add(x[i : i + 1].contiguous(), which[i : i + 1], torch.zeros(1, dtype=torch.long),
+                         tables, 3, alone)  # fmt: skip
+        assert torch.equal(together[i : i + 1], alone)
+        assert torch.equal(together[i], start[i]) == (int(which[i]) < 0)
