@@ -59,17 +59,16 @@ class LayerKernels:
     def lora_add(
         self,
         x: torch.Tensor,  # [N, in] bf16, rows contiguous
-        which: torch.Tensor,  # [N] int64: each row's adapter's row in the tables (-1: none)
-        order: torch.Tensor,  # [N] int64: the rows, grouped by adapter
-        tables: tuple[torch.Tensor, ...],  # A^T, B^T addresses, ranks, columns, widths
+        rows: tuple[int, int],  # addresses of int64 [N]: each row's adapter's row in the tables
+        # (-1: none), and the rows grouped by adapter
+        tables: tuple[int, ...],  # addresses: A^T, B^T addresses, ranks, columns, widths
         modules: int,  # table entries per adapter (its group's modules)
         out: torch.Tensor,  # [N, n] bf16, changed in place
     ) -> None:
         a, b, ranks, columns, widths = tables
-        self._ops.lora_add(x.data_ptr(), x.stride(0), x.shape[0], which.data_ptr(),
-                           order.data_ptr(), a.data_ptr(), b.data_ptr(), ranks.data_ptr(),
-                           columns.data_ptr(), widths.data_ptr(), modules, x.shape[1],
-                           out.data_ptr(), out.stride(0), 1)  # fmt: skip
+        self._ops.lora_add(x.data_ptr(), x.stride(0), x.shape[0], rows[0], rows[1], a, b, ranks,
+                           columns, widths, modules, x.shape[1], out.data_ptr(), out.stride(0),
+                           1)  # fmt: skip
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up [N, 2 inner] (gate first): [N, inner]."""

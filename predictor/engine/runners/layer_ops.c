@@ -99,56 +99,161 @@ void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out,
 /* LoRA's products for each row with its own adapter: out[t] += B (A x[t]) for every module of
    the projection group that the row's adapter adapts. Rows come in `order`, grouped by their
    adapter's table row (which[t]; -1: the base model, nothing to add); a run of rows of one
-   adapter reads its factors once (SGMV), 16 rows at a time. Per table row i and module m
-   (i * MODULES + m): bf16 A^T [in][r] at a[], bf16 B^T [r][width] at b[] (the scale folded in),
-   rank r (0: not adapted), the module's first column in out and its width. fp32 sums, one
-   rounding into the bf16 out. */
-#define LORA_ROWS 16
-#define LORA_COLUMNS 512
+   adapter reads its factors once per LORA_ROWS rows (SGMV; BGMV at one row). Per table row i
+   and module m (i * MODULES + m): bf16 B^T [r][width] at b[] (the scale folded in), the rank r
+   (a multiple of 16 up to LORA_RANK, zero-padded; 0: not adapted), the module's first column in
+   out and its width; at a[i * MODULES] the group's bf16 A^T [in][sum of its modules' r], the
+   modules' columns side by side in module order (the rows' inputs are read once for them all).
+   fp32 sums, one rounding into the bf16 out.
+
+   Each row's sums run in one fixed order (over the inputs, then over the rank) in vectors of
+   16 lanes held in registers, whatever the rows beside it: a row alone and in any company gets
+   the same bits (--batch-invariant relies on it; tested). */
+#define LORA_ROWS 4  /* rows sharing a read of the factors */
+#define LORA_RANK 256 /* the most rank (vLLM's --max-lora-rank choices up to 256) */
+#define LORA_MODULES 3 /* the most modules a group stacks (q, k, v) */
+#define LORA_SUMS (LORA_MODULES * LORA_RANK) /* a row's x A^T: its group's ranks together */
+#define LORA_DOWN_VECTORS 4 /* rank vectors an A pass holds per row (registers) */
+#if defined(__AVX512F__) /* registers: output vectors a pass over B^T keeps per row */
+#define LORA_COLUMN_VECTORS 4
+#else
+#define LORA_COLUMN_VECTORS 1
+#endif
+
+typedef float lf16 __attribute__((vector_size(64)));
+typedef uint16_t lh16 __attribute__((vector_size(32)));
+typedef uint32_t lu16 __attribute__((vector_size(64)));
+
+static inline lf16 lora_load(const uint16_t *p) { /* 16 bf16 as fp32 */
+    lh16 h;
+    memcpy(&h, p, sizeof h);
+    lu16 u = __builtin_convertvector(h, lu16) << 16;
+    lf16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline lf16 lora_splat(float v) { return (lf16){0} + v; }
+
+/* h[q][k0..k0 + 16 vectors) = x[q] A^T's columns there, for `rows` rows (the A pass), each
+   row's sums in input order; A^T's rows are r long */
+static inline __attribute__((always_inline)) void lora_down(
+        const uint16_t *const *x, int64_t in, const uint16_t *at, int64_t r, int64_t k0,
+        int rows, int vectors, float h[LORA_ROWS][LORA_SUMS]) {
+    lf16 acc[LORA_ROWS][LORA_DOWN_VECTORS];
+    for (int q = 0; q < rows; q++)
+        for (int v = 0; v < vectors; v++) acc[q][v] = (lf16){0};
+    for (int64_t c = 0; c < in; c++) {
+        lf16 a[LORA_DOWN_VECTORS];
+        for (int v = 0; v < vectors; v++) a[v] = lora_load(at + c * r + k0 + v * 16);
+        __builtin_prefetch(at + (c + 16) * r + k0);
+        for (int q = 0; q < rows; q++) {
+            const lf16 xc = lora_splat(from_bf16(x[q][c]));
+            for (int v = 0; v < vectors; v++) acc[q][v] += xc * a[v];
+        }
+    }
+    for (int q = 0; q < rows; q++)
+        for (int v = 0; v < vectors; v++) memcpy(h[q] + k0 + v * 16, &acc[q][v], sizeof acc[q][v]);
+}
+
+/* o[0..16) = bf16(o + sums), rounded to nearest even as to_bf16 does, NaN kept a NaN */
+static inline void lora_store(uint16_t *o, lf16 sums) {
+    lf16 f = lora_load(o) + sums;
+    lu16 u;
+    memcpy(&u, &f, sizeof u);
+    const lu16 nan = (lu16)((u & 0x7fffffffu) > 0x7f800000u);
+    u = ((u + 0x7fffu + ((u >> 16) & 1u)) & ~nan) | (((u >> 16) | 0x40u) << 16 & nan);
+    const lh16 h = __builtin_convertvector(u >> 16, lh16);
+    memcpy(o, &h, sizeof h);
+}
+
+/* out[q][j0 + 16 vectors) += sum_k h[q][k] B^T[k][...] for `rows` rows, each sum in rank order */
+static inline __attribute__((always_inline)) void lora_up_block(
+        const float h[LORA_ROWS][LORA_SUMS], int64_t first, int rows, int64_t r,
+        const uint16_t *bt, int64_t width, int64_t j0, int vectors, uint16_t *const *out) {
+    lf16 acc[LORA_ROWS][LORA_COLUMN_VECTORS];
+    for (int q = 0; q < rows; q++)
+        for (int v = 0; v < vectors; v++) acc[q][v] = (lf16){0};
+    for (int64_t k = 0; k < r; k++) {
+        lf16 b[LORA_COLUMN_VECTORS];
+        for (int v = 0; v < vectors; v++) b[v] = lora_load(bt + k * width + j0 + v * 16);
+        __builtin_prefetch(bt + k * width + j0 + 16 * LORA_COLUMN_VECTORS * 2);
+        for (int q = 0; q < rows; q++) {
+            const lf16 hk = lora_splat(h[q][first + k]);
+            for (int v = 0; v < vectors; v++) acc[q][v] += hk * b[v];
+        }
+    }
+    for (int q = 0; q < rows; q++)
+        for (int v = 0; v < vectors; v++) lora_store(out[q] + j0 + v * 16, acc[q][v]);
+}
+
+/* out[q][0..width) += h[q][first..first + r) B^T for `rows` rows (the B pass) */
+static inline __attribute__((always_inline)) void lora_up(
+        const float h[LORA_ROWS][LORA_SUMS], int64_t first, int rows, int64_t r,
+        const uint16_t *bt, int64_t width, uint16_t *const *out) {
+    const int64_t span = 16 * LORA_COLUMN_VECTORS, whole = width - width % 16;
+    int64_t j0 = 0;
+    for (; j0 + span <= whole; j0 += span)
+        lora_up_block(h, first, rows, r, bt, width, j0, LORA_COLUMN_VECTORS, out);
+    for (; j0 < whole; j0 += 16) lora_up_block(h, first, rows, r, bt, width, j0, 1, out);
+    for (int q = 0; q < rows; q++) /* the columns past the last whole vector */
+        for (int64_t j = whole; j < width; j++) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < r; k++) sum += h[q][first + k] * from_bf16(bt[k * width + j]);
+            out[q][j] = to_bf16(from_bf16(out[q][j]) + sum);
+        }
+}
+
+/* lora_down with its row and vector counts constants (registers, loops unrolled) */
+#define LORA_DOWN_CASE(R, V) \
+    case (R) * 8 + (V): lora_down(xs, in, at, r, k0, R, V, h); break;
+
 void lora_add(const uint16_t *x, int64_t x_stride, int64_t rows, const int64_t *which,
               const int64_t *order, const int64_t *a, const int64_t *b, const int64_t *ranks,
               const int64_t *columns, const int64_t *widths, int64_t modules, int64_t in,
               uint16_t *out, int64_t out_stride, int64_t threads) {
     (void)threads;
-    float h[LORA_ROWS][256], acc[LORA_ROWS][LORA_COLUMNS];
+    float h[LORA_ROWS][LORA_SUMS];
     for (int64_t start = 0; start < rows;) {
         const int64_t adapter = which[order[start]];
         int64_t end = start + 1;
         while (end < rows && end - start < LORA_ROWS && which[order[end]] == adapter) end++;
-        const int64_t count = end - start;
-        for (int64_t m = 0; adapter >= 0 && m < modules; m++) {
-            const int64_t slot = adapter * modules + m, r = ranks[slot];
-            if (r <= 0 || r > 256) continue;
-            const uint16_t *at = (const uint16_t *)(intptr_t)a[slot];
+        const int count = (int)(end - start);
+        int64_t r = 0; /* the group's ranks together: h's length, A^T's row */
+        for (int64_t m = 0; adapter >= 0 && m < modules && m < LORA_MODULES; m++) {
+            const int64_t rank = ranks[adapter * modules + m];
+            r = rank < 0 || rank > LORA_RANK || rank % 16 || r < 0 ? -1 : r + rank;
+        }
+        if (adapter < 0 || r <= 0 || modules > LORA_MODULES) {
+            start = end;
+            continue;
+        }
+        const uint16_t *xs[LORA_ROWS];
+        for (int q = 0; q < count; q++) xs[q] = x + order[start + q] * x_stride;
+        const uint16_t *at = (const uint16_t *)(intptr_t)a[adapter * modules];
+        for (int64_t k0 = 0; k0 < r; k0 += 16 * LORA_DOWN_VECTORS) {
+            const int64_t left = (r - k0) / 16;
+            switch (count * 8 + (int)(left < LORA_DOWN_VECTORS ? left : LORA_DOWN_VECTORS)) {
+                LORA_DOWN_CASE(1, 1) LORA_DOWN_CASE(1, 2) LORA_DOWN_CASE(1, 3) LORA_DOWN_CASE(1, 4)
+                LORA_DOWN_CASE(2, 1) LORA_DOWN_CASE(2, 2) LORA_DOWN_CASE(2, 3) LORA_DOWN_CASE(2, 4)
+                LORA_DOWN_CASE(3, 1) LORA_DOWN_CASE(3, 2) LORA_DOWN_CASE(3, 3) LORA_DOWN_CASE(3, 4)
+                LORA_DOWN_CASE(4, 1) LORA_DOWN_CASE(4, 2) LORA_DOWN_CASE(4, 3) LORA_DOWN_CASE(4, 4)
+            }
+        }
+        for (int64_t m = 0, first = 0; m < modules; m++) {
+            const int64_t slot = adapter * modules + m, rank = ranks[slot];
+            if (rank == 0) continue;
+            uint16_t *outs[LORA_ROWS];
+            for (int q = 0; q < count; q++)
+                outs[q] = out + order[start + q] * out_stride + columns[slot];
             const uint16_t *bt = (const uint16_t *)(intptr_t)b[slot];
-            for (int64_t q = 0; q < count; q++)
-                for (int64_t k = 0; k < r; k++) h[q][k] = 0.0f;
-            for (int64_t c = 0; c < in; c++) { /* h = x A^T, each A^T row read once */
-                float arow[256];
-                for (int64_t k = 0; k < r; k++) arow[k] = from_bf16(at[c * r + k]);
-                for (int64_t q = 0; q < count; q++) {
-                    const float xc = from_bf16(x[order[start + q] * x_stride + c]);
-                    for (int64_t k = 0; k < r; k++) h[q][k] += xc * arow[k];
-                }
+            switch (count) {
+                case 1: lora_up(h, first, 1, rank, bt, widths[slot], outs); break;
+                case 2: lora_up(h, first, 2, rank, bt, widths[slot], outs); break;
+                case 3: lora_up(h, first, 3, rank, bt, widths[slot], outs); break;
+                default: lora_up(h, first, 4, rank, bt, widths[slot], outs); break;
             }
-            const int64_t width = widths[slot], column = columns[slot];
-            for (int64_t j0 = 0; j0 < width; j0 += LORA_COLUMNS) { /* out += h B^T */
-                const int64_t span = width - j0 < LORA_COLUMNS ? width - j0 : LORA_COLUMNS;
-                for (int64_t q = 0; q < count; q++)
-                    for (int64_t j = 0; j < span; j++) acc[q][j] = 0.0f;
-                for (int64_t k = 0; k < r; k++) {
-                    float brow[LORA_COLUMNS];
-                    for (int64_t j = 0; j < span; j++) brow[j] = from_bf16(bt[k * width + j0 + j]);
-                    for (int64_t q = 0; q < count; q++) {
-                        const float hk = h[q][k];
-                        for (int64_t j = 0; j < span; j++) acc[q][j] += hk * brow[j];
-                    }
-                }
-                for (int64_t q = 0; q < count; q++) {
-                    uint16_t *o = out + order[start + q] * out_stride + column + j0;
-                    for (int64_t j = 0; j < span; j++) o[j] = to_bf16(from_bf16(o[j]) + acc[q][j]);
-                }
-            }
+            first += rank;
         }
         start = end;
     }

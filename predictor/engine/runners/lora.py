@@ -54,17 +54,53 @@ def group_tokens(slots: Sequence[int], device: torch.device) -> Groups:
     ]
 
 
+# the native kernel's factors of an adapter: per (layer, group), the group's A^T [in, sum of
+# its modules' r'] (module order); per (layer, module), B^T [r', out] (bf16, r' a multiple of 16)
+KernelFactors = tuple[dict[tuple[int, str], torch.Tensor], dict[tuple[int, str], torch.Tensor]]
+
+
+def kernel_factors(factors: Factors, scale: float, device: torch.device) -> KernelFactors:
+    """An adapter's factors as the native kernel reads them: bf16, the scale folded into B, the
+    rank zero-padded to r', a multiple of 16 (its vectors), and a group's A^T side by side (its
+    modules share their input). A module's layers are converted together: a few ops a module,
+    as loading at run time shares the GIL with the step loop."""
+    a_t: dict[tuple[int, str], torch.Tensor] = {}
+    b_t: dict[tuple[int, str], torch.Tensor] = {}
+    for module in sorted({m for _, m in factors}):
+        keys = sorted(key for key in factors if key[1] == module)
+        rank, features_in = factors[keys[0]][0].shape
+        features_out = factors[keys[0]][1].shape[0]
+        padded = -(-rank // 16) * 16
+        a_all = torch.zeros(len(keys), features_in, padded, dtype=torch.bfloat16, device=device)
+        b_all = torch.zeros(len(keys), padded, features_out, dtype=torch.bfloat16, device=device)
+        a_all[:, :, :rank] = torch.stack([factors[key][0] for key in keys]).transpose(1, 2)
+        b_all[:, :rank] = torch.stack([factors[key][1] for key in keys]).transpose(1, 2) * scale
+        for i, key in enumerate(keys):
+            a_t[key], b_t[key] = a_all[i], b_all[i]  # contiguous views of the module's buffers
+    groups = {}
+    for layer in sorted({layer for layer, _ in factors}):
+        for group, modules in GROUPS.items():
+            parts = [a_t[(layer, m)] for m in modules if (layer, m) in a_t]
+            if parts:
+                groups[(layer, group)] = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return groups, b_t
+
+
 MODULES = 3  # table entries per adapter and group: the most modules a group stacks (q, k, v)
 
 
 @dataclass(frozen=True)
 class Tables:
-    """Per (layer, group), for the native kernel: int64 [adapters * MODULES] of each adapter's
-    modules' bf16 A^T and B^T addresses, ranks (0: not adapted), first columns in the group's
-    output and widths; an adapter's entries at its row (`index`) * MODULES."""
+    """Per (layer, group), for the native kernel: int64 [adapters * MODULES] of the addresses of
+    each adapter's group A^T (at its first module; 0 at the others) and modules' B^T, the
+    modules' padded ranks (0: not adapted), first columns in the group's output and widths; an
+    adapter's entries at its row (`index`) * MODULES. `addresses`: the
+    five tables' own addresses per (layer, group), as the kernel takes them (a step makes 4 calls
+    a layer: each is a few microseconds, so nothing is looked up twice)."""
 
     index: dict[int, int]  # slot -> its row in every table
     by_group: dict[tuple[int, str], tuple[torch.Tensor, ...]]
+    addresses: dict[tuple[int, str], tuple[int, ...]]
 
 
 @dataclass(frozen=True)
@@ -76,13 +112,14 @@ class Step:
     which: torch.Tensor
     order: torch.Tensor  # the tokens, grouped by adapter (each adapter's factors read once)
     tables: Tables
+    rows: tuple[int, int]  # which's and order's addresses
 
 
 class LoraWeights:
-    """The resident adapters' factors, per slot, in two layouts: bf16 per module for the
-    native kernel, fp32 stacked per group for torch's matmuls (a model not on the native path,
-    and the check of the kernel against them). Both are kept: ~26 MB for a rank-16 adapter of
-    the default model, of which the kernel reads 5."""
+    """The resident adapters' factors, per slot: as read (fp32), and in the native kernel's
+    bf16 layout (5 MB a step reads for a rank-16 adapter on every projection of the default
+    model); fp32 stacks per group for torch's matmuls are made from the first where a step
+    needs them (a model not on the native path, and the check of the kernel against them)."""
 
     def __init__(
         self,
@@ -93,18 +130,30 @@ class LoraWeights:
         self.shapes = shapes  # module -> (in, out) features
         self.layers = layers  # the model's decoder layers
         self.device = device
+        self._factors: dict[int, tuple[Factors, float]] = {}  # per slot, as read, and its scale
+        # per slot, made on first use: fp32 stacks per (layer, group) for torch's path
         self._slots: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
-        # per slot, per (layer, module): bf16 A^T [in, r] and B^T [r, out], the scale folded
-        # in (the native kernel's: a quarter of the fp32 stacks' bytes, no zero blocks)
-        self._modules: dict[int, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._tables = Tables({}, {})  # replaced whole when adapters come and go
+        # per slot, the native kernel's bf16 factors (a quarter of the fp32 stacks' bytes)
+        self._modules: dict[int, KernelFactors] = {}
+        self._tables = Tables({}, {}, {})  # replaced whole when adapters come and go
         # layer_ops.c's lora_add (a bf16 model on the native path), else torch's matmuls
         self.kernel: Any = None
 
     def add(self, slot: int, factors: Factors, scale: float) -> None:
+        """Make an adapter resident. Few torch ops (a module's layers at once): loading at
+        run time shares the GIL with the step loop, whose every op waits for it."""
+        self._factors[slot] = (factors, scale)
+        self._modules[slot] = kernel_factors(factors, scale, self.device)
+        self._tables = self._build_tables()
+
+    def _stacked(self, slot: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+        """The slot's fp32 stacks per (layer, group), made on first use (torch's path only)."""
+        stacked = self._slots.get(slot)
+        if stacked is not None or slot not in self._factors:
+            return stacked or {}
+        factors, scale = self._factors[slot]
         stacked = {}
-        layers = sorted({layer for layer, _ in factors})
-        for layer in layers:
+        for layer in sorted({layer for layer, _ in factors}):
             for group, modules in GROUPS.items():
                 parts = [(m, factors.get((layer, m))) for m in modules]
                 if all(pair is None for _, pair in parts):
@@ -130,15 +179,11 @@ class LoraWeights:
                     b.T.contiguous().to(self.device),
                 )
         self._slots[slot] = stacked
-        self._modules[slot] = {
-            key: (a.T.contiguous().to(self.device, torch.bfloat16),
-                  (b * scale).T.contiguous().to(self.device, torch.bfloat16))
-            for key, (a, b) in factors.items()
-        }  # fmt: skip
-        self._tables = self._build_tables()
+        return stacked
 
     def remove(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        self._factors.pop(slot, None)
         self._modules.pop(slot, None)
         self._tables = self._build_tables()
 
@@ -150,21 +195,25 @@ class LoraWeights:
             for group, modules in GROUPS.items():
                 entries = []  # (A^T, B^T, column, width) per adapter and module slot
                 for slot in index:
+                    a_groups, b_modules = resident[slot]
+                    a_t = a_groups.get((layer, group))
                     column = 0
                     for m in range(MODULES):
                         module = modules[m] if m < len(modules) else None
-                        pair = resident[slot].get((layer, module)) if module else None
+                        b_t = b_modules.get((layer, module)) if module else None
                         width = self.shapes[module][1] if module else 0
-                        entries.append((pair, column, width))
+                        entries.append((a_t if m == 0 else None, b_t, column, width))
                         column += width
                 by_group[(layer, group)] = (
-                    torch.tensor([p[0].data_ptr() if p else 0 for p, _, _ in entries]),
-                    torch.tensor([p[1].data_ptr() if p else 0 for p, _, _ in entries]),
-                    torch.tensor([p[0].shape[1] if p else 0 for p, _, _ in entries]),
-                    torch.tensor([c for _, c, _ in entries]),
-                    torch.tensor([w for _, _, w in entries]),
+                    torch.tensor([a.data_ptr() if a is not None else 0 for a, _, _, _ in entries]),
+                    torch.tensor([b.data_ptr() if b is not None else 0 for _, b, _, _ in entries]),
+                    torch.tensor([b.shape[0] if b is not None else 0 for _, b, _, _ in entries]),
+                    torch.tensor([c for _, _, c, _ in entries]),
+                    torch.tensor([w for _, _, _, w in entries]),
                 )
-        return Tables(index, by_group)
+        addresses = {key: tuple(t.data_ptr() for t in tables)
+                     for key, tables in by_group.items()}  # fmt: skip
+        return Tables(index, by_group, addresses)
 
     def step(self, slots: Sequence[int]) -> Step | None:
         """A step's view of its tokens' slots (one per token); None: no adapter in it."""
@@ -173,7 +222,8 @@ class LoraWeights:
         tables = self._tables
         which = torch.tensor([tables.index.get(s, -1) if s else -1 for s in slots])
         order = torch.argsort(which, stable=True)
-        return Step(group_tokens(slots, self.device), which, order, tables)
+        return Step(group_tokens(slots, self.device), which, order, tables,
+                    (which.data_ptr(), order.data_ptr()))  # fmt: skip
 
     def apply(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, step: Step
@@ -182,11 +232,11 @@ class LoraWeights:
         changed in place) plus each adapter's delta at its tokens."""
         if self.kernel is not None and x.dtype == out.dtype == torch.bfloat16:
             # one call for every row, each with its own adapter (BGMV)
-            tables = step.tables.by_group[(layer, group)]
-            self.kernel.lora_add(x.contiguous(), step.which, step.order, tables, MODULES, out)
+            addresses = step.tables.addresses[(layer, group)]
+            self.kernel.lora_add(x.contiguous(), step.rows, addresses, MODULES, out)
             return out
         for slot, tokens in step.groups:
-            stacked = self._slots.get(slot, {}).get((layer, group))
+            stacked = self._stacked(slot).get((layer, group))
             if stacked is None:
                 continue
             a_t, b_t = stacked

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from load.random_lora import write_adapter
-from predictor.engine.runners.lora import projection_shapes
+from predictor.engine.runners.lora import kernel_factors, projection_shapes
 from predictor.engine.step import StepRow
 from predictor.model.lora import Adapter, load_adapter
 from tests.engine.conftest import Tiny
@@ -153,7 +153,7 @@ def test_through_the_step_loop_rows_of_each_adapter_run_as_alone_and_share_no_bl
     assert cached[:3] == [0, 0, 0] and cached[3] > 0
 
 
-@pytest.mark.parametrize("rank", [8, 16, 24])
+@pytest.mark.parametrize("rank", [8, 16, 24, 80])
 def test_lora_add_gives_a_row_the_same_sums_in_any_company(rank: int) -> None:
     """layer_ops.c's lora_add: 16 rows of one adapter in one call, interleaved with base rows,
     are bit for bit each row alone (the sums' order never depends on the rows beside it, which
@@ -168,19 +168,35 @@ def test_lora_add_gives_a_row_the_same_sums_in_any_company(rank: int) -> None:
     kernels = LayerKernels.__new__(LayerKernels)
     kernels._ops = ops
     generator = torch.Generator().manual_seed(rank)
-    a = [torch.randn(96, rank, generator=generator).to(torch.bfloat16) for _ in range(2)]
-    b = [torch.randn(rank, 80, generator=generator).to(torch.bfloat16) for _ in range(2)]
-    tables = (torch.tensor([t.data_ptr() for t in a] + [0]),
-              torch.tensor([t.data_ptr() for t in b] + [0]), torch.tensor([rank, rank, 0]),
-              torch.tensor([0, 80, 0]), torch.tensor([80, 80, 0]))  # fmt: skip
+    widths = [80, 72]  # 72: columns past the last whole vector of 16
+    factors = {(0, module): (torch.randn(rank, 96, generator=generator),
+                             torch.randn(w, rank, generator=generator))
+               for module, w in zip(("q_proj", "k_proj"), widths, strict=True)}  # fmt: skip
+    a_groups, b_modules = kernel_factors(factors, 1.0, torch.device("cpu"))
+    a_group, b_ts = a_groups[(0, "qkv")], [b_modules[(0, m)] for m in ("q_proj", "k_proj")]
+    tables = [torch.tensor([a_group.data_ptr(), 0, 0]),
+              torch.tensor([b.data_ptr() for b in b_ts] + [0]),
+              torch.tensor([b.shape[0] for b in b_ts] + [0]), torch.tensor([0, 80, 0]),
+              torch.tensor([*widths, 0])]  # fmt: skip
+    addresses = tuple(t.data_ptr() for t in tables)
     x = torch.randn(20, 96, generator=generator).to(torch.bfloat16)
     which = torch.tensor([0] * 16 + [-1] * 4)[torch.randperm(20, generator=generator)]
+    order = torch.argsort(which, stable=True)
     start = torch.randn(20, 160, generator=generator).to(torch.bfloat16)
     together = start.clone()
-    kernels.lora_add(x, which, torch.argsort(which, stable=True), tables, 3, together)
+    kernels.lora_add(x, (which.data_ptr(), order.data_ptr()), addresses, 3, together)
+    # and the sums themselves: fp32 products of the bf16 factors, rounded once into out
+    a_t = [a.to(torch.bfloat16).float().T for a, _ in factors.values()]
+    b_t = [b.to(torch.bfloat16).float().T for _, b in factors.values()]
     for i in range(20):
         alone = start[i : i + 1].clone()
-        kernels.lora_add(x[i : i + 1].contiguous(), which[i : i + 1], torch.zeros(1, dtype=torch.long),
-                         tables, 3, alone)  # fmt: skip
+        one = (which[i : i + 1].clone(), torch.zeros(1, dtype=torch.long))
+        kernels.lora_add(x[i : i + 1].contiguous(), (one[0].data_ptr(), one[1].data_ptr()),
+                         addresses, 3, alone)  # fmt: skip
         assert torch.equal(together[i : i + 1], alone)
+        if int(which[i]) >= 0:
+            h = [x[i].float() @ a for a in a_t]
+            delta = torch.cat([h[0] @ b_t[0], h[1] @ b_t[1], torch.zeros(8)])
+            expected = (start[i].float() + delta).to(torch.bfloat16).float()
+            assert torch.allclose(alone[0].float(), expected, rtol=1e-2, atol=1e-2)
         assert torch.equal(together[i], start[i]) == (int(which[i]) < 0)
