@@ -91,7 +91,7 @@ class Settings:
     lora_modules: tuple[str, ...] = ()
     max_lora_rank: int = 64
     max_loras: int = 0  # distinct adapters in one step (vLLM's meaning); 0: any number
-    max_cpu_loras: int = 0  # adapters loaded at once; 0: any number
+    max_cpu_loras: int = 0  # adapters resident at once (LRU beyond); 0: any number
     allow_runtime_lora: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     # requests allowed to wait for a row before new ones get 429: 4 batches' worth, so a
     # refused client learns at once instead of waiting minutes behind a deep queue
@@ -176,8 +176,6 @@ class Settings:
         if not 1 <= self.max_lora_rank <= 256 or min(self.max_loras, self.max_cpu_loras) < 0:
             raise ValueError("--max-lora-rank must be between 1 and 256, --max-loras and "
                              "--max-cpu-loras at least 0")  # fmt: skip
-        if 0 < self.max_cpu_loras < len(names):
-            raise ValueError(f"{len(names)} --lora-modules exceed --max-cpu-loras")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
         for path in (self.ssl_certfile, self.ssl_keyfile):
@@ -276,8 +274,8 @@ _HELP = {
     "max_lora_rank": "highest adapter rank accepted (vLLM's flag)",
     "max_loras": "most distinct adapters in one step; a request of another adapter waits for "
     "a row of one to end (vLLM's flag; 0: any number)",
-    "max_cpu_loras": "most adapters loaded at once; loading more is refused (vLLM's flag; 0: "
-    "any number)",
+    "max_cpu_loras": "most adapters resident at once; beyond, a request's adapter is read "
+    "again in place of the least recently used one no request uses (vLLM's flag; 0: any number)",
     "allow_runtime_lora": "allow POST /v1/load_lora_adapter {lora_name, lora_path} and "
     "/v1/unload_lora_adapter {lora_name} (vLLM's; it asks VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
     "max_waiting": "most requests waiting for a batch row; more are refused",

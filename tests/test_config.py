@@ -129,8 +129,10 @@ def test_lora_flags_as_vllm_and_kserves_llminferenceservice_write_them() -> None
     assert s.adapters == [("sql", "/mnt/lora/sql"), ("publishers/ns/models/sql", "/mnt/lora/sql"),
                           ("chat", "/adapters/chat")]  # fmt: skip
     assert (s.max_lora_rank, s.max_loras, s.max_cpu_loras) == (16, 2, 4)
+    # more adapters than --max-cpu-loras: registered, the least recently used evicted
+    assert Settings.from_sources(["--max-cpu-loras", "1", "--lora-modules", "a=/p", "b=/q"], {})
     for bad in (["--lora-modules", "sql"], ["--lora-modules", '{"name": "x"}'],
                 ["--lora-modules", "a=/p", "a=/q"], ["--lora-modules", "{not json"],
-                ["--max-cpu-loras", "1", "--lora-modules", "a=/p", "b=/q"]):  # fmt: skip
+                ["--max-cpu-loras", "-1"]):  # fmt: skip
         with pytest.raises(ValueError, match="lora"):
             Settings.from_sources(bad, {})

@@ -1,30 +1,29 @@
-"""LoRA adapters by name: the runner slot each is resident in. Loaded at start (--lora-modules)
-and at run time (vLLM's POST /v1/load_lora_adapter); an unloaded adapter's name is gone at once
-and its weights are freed by the step loop once no request uses them. Slots are never reused,
-so a request always runs with the adapter it was admitted with."""
+"""LoRA adapters by name: which are registered (a name and a path: --lora-modules, vLLM's POST
+/v1/load_lora_adapter) and which are resident in a runner slot.
+
+At most `limit` adapters are resident (--max-cpu-loras; 0: any number). A request naming one
+that is not is admitted once it is made resident (read again from its path), in place of the
+least recently used resident adapter that no request uses; one that a request uses is never
+evicted. An evicted or unloaded adapter's slot is retired at once (no new request gets it) and
+its weights are freed by the step loop once no request uses them. Slots are never reused, so a
+request always runs with the weights it was admitted with.
+
+Thread-safe. Reading runs on worker threads; `reserve` (the only eviction) and `slot` run on the
+event loop, where a request's slot is resolved and the request made visible to `in_use` in one
+step, so an adapter chosen for eviction cannot be one a request is just being admitted with."""
 
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import Any
 
 from predictor.errors import InvalidRequest, ModelMissing
 
 
-@dataclass(frozen=True)
-class Loaded:
-    name: str
-    path: str
-    slot: int
-
-
 class Adapters:
-    """Thread-safe: loading reads files on any thread, requests resolve names on the event loop,
-    the step loop frees what is unused."""
-
     def __init__(
         self,
         read: Callable[[str, str], Any],
@@ -32,67 +31,122 @@ class Adapters:
         remove: Callable[[int], None],
         limit: int = 0,
     ) -> None:
-        self._read = read  # (name, path) -> an adapter; raises a PredictorError saying why not
-        self._install = install  # (slot, adapter): resident in the runner
+        self.read = read  # (name, path) -> an adapter; raises a PredictorError saying why not
+        self.install = install  # (slot, adapter): resident in the runner (blocking)
         self._remove = remove  # (slot): its weights freed (the step loop's thread)
-        self.limit = limit  # most adapters loaded at once (--max-cpu-loras; 0: any number)
+        self.limit = limit  # most adapters resident at once (--max-cpu-loras; 0: any number)
         self._lock = threading.Lock()
-        self._by_name: dict[str, Loaded] = {}
-        self._loading: set[str] = set()
-        self._retired: set[int] = set()  # unloaded, freed once no request uses them
+        self._paths: dict[str, str] = {}  # registered: name -> path
+        self._resident: OrderedDict[int, str] = OrderedDict()  # slot -> name, least recent first
+        self._reserved: set[int] = set()  # slots being installed (they count as resident)
+        self._retired: dict[int, str] = {}  # evicted or unloaded, freed once no request uses them
         self._slots = itertools.count(1)
 
-    def slot(self, name: str) -> int | None:
-        loaded = self._by_name.get(name)
-        return None if loaded is None else loaded.slot
+    # -- names --------------------------------------------------------------------------------
+    def registered(self, name: str) -> bool:
+        return name in self._paths
 
-    def loaded(self) -> list[Loaded]:
-        return list(self._by_name.values())
+    def path(self, name: str) -> str | None:
+        return self._paths.get(name)
+
+    def slot(self, name: str) -> int | None:
+        """The resident slot of that adapter (now its most recently used), None where it is
+        not resident (or not registered)."""
+        with self._lock:
+            for slot, held in self._resident.items():
+                if held == name:
+                    self._resident.move_to_end(slot)
+                    return slot
+        return None
 
     def names(self) -> dict[int, str]:
-        """The loaded adapters' names by slot."""
-        return {loaded.slot: loaded.name for loaded in list(self._by_name.values())}
-
-    def load(self, name: str, path: str) -> Loaded:
-        """Read, check and install an adapter (blocking: a worker thread at run time)."""
+        """Each slot's adapter name, for the slots not yet freed (resident or retired)."""
         with self._lock:
-            if name in self._by_name or name in self._loading:
+            return {**{s: n for s, n in self._retired.items() if n}, **self._resident}
+
+    def resident(self) -> list[str]:
+        """The resident adapters' names, least recently used first."""
+        with self._lock:
+            return list(self._resident.values())
+
+    # -- registering (blocking: a worker thread, or the start) --------------------------------
+    def load(self, name: str, path: str) -> int | None:
+        """Read and check an adapter, register it, and make it resident where there is room
+        without evicting any: its slot, or None (it is read again when a request needs it)."""
+        adapter = self.read(name, path)  # raises before anything is registered
+        with self._lock:
+            if name in self._paths:
                 raise InvalidRequest(f"LoRA adapter '{name}' is already loaded", "lora_name")
-            if self.limit and len(self._by_name) + len(self._loading) >= self.limit:
-                raise InvalidRequest(f"{self.limit} LoRA adapters are loaded (--max-cpu-loras); "
-                                     "unload one first", "lora_name")  # fmt: skip
-            self._loading.add(name)
-        try:
-            adapter = self._read(name, path)
-            with self._lock:
-                slot = next(self._slots)
-            self._install(slot, adapter)
-            loaded = Loaded(name, path, slot)
-            with self._lock:
-                self._by_name[name] = loaded
-            return loaded
-        finally:
-            with self._lock:
-                self._loading.discard(name)
+            self._paths[name] = path
+            slot = self._take() if self._room() else None
+        if slot is not None:
+            try:
+                self.install(slot, adapter)
+            except BaseException:
+                self.release(slot)
+                raise
+            self.commit(name, slot)
+        return slot
 
     def unload(self, name: str) -> None:
+        """Unregistered at once: new requests naming it are refused; its weights go once no
+        request uses them."""
         with self._lock:
-            loaded = self._by_name.pop(name, None)
-            if loaded is None:
+            if self._paths.pop(name, None) is None:
                 raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
-            self._retired.add(loaded.slot)
+            for slot, held in list(self._resident.items()):
+                if held == name:
+                    del self._resident[slot]
+                    self._retired[slot] = name
 
+    # -- making room (reserve on the event loop; install on a worker thread) ------------------
+    def reserve(self, in_use: Collection[int]) -> int | None:
+        """A new slot to install an adapter in, evicting the least recently used resident
+        adapter that no request uses where the limit is reached; None: every resident adapter
+        is in use."""
+        with self._lock:
+            if not self._room():
+                victim = next((s for s in self._resident if s not in in_use), None)
+                if victim is None:
+                    return None
+                self._retired[victim] = self._resident.pop(victim)
+            return self._take()
+
+    def commit(self, name: str, slot: int) -> None:
+        """The adapter installed in its reserved slot is resident (retired at once where it
+        was unloaded meanwhile, or made resident twice)."""
+        with self._lock:
+            self._reserved.discard(slot)
+            if name in self._paths and name not in self._resident.values():
+                self._resident[slot] = name
+            else:
+                self._retired[slot] = name
+
+    def release(self, slot: int) -> None:
+        """A reserved slot whose install failed: whatever it holds is freed."""
+        with self._lock:
+            self._reserved.discard(slot)
+            self._retired[slot] = ""
+
+    # -- freeing (the step loop's thread, between steps) --------------------------------------
     def retiring(self) -> bool:
-        """Whether unloaded adapters' weights wait to be freed (a step's cheap check)."""
+        """Whether retired adapters' weights wait to be freed (a step's cheap check)."""
         return bool(self._retired)
 
     def free_unused(self, in_use: Collection[int]) -> None:
-        """Free the weights of unloaded adapters that no request uses (the step loop's
-        thread, between steps)."""
         if not self._retired:
             return
         with self._lock:
-            done = self._retired - set(in_use)
-            self._retired -= done
+            done = [slot for slot in self._retired if slot not in in_use]
+            for slot in done:
+                del self._retired[slot]
         for slot in done:
             self._remove(slot)
+
+    def _room(self) -> bool:
+        return not self.limit or len(self._resident) + len(self._reserved) < self.limit
+
+    def _take(self) -> int:
+        slot = next(self._slots)
+        self._reserved.add(slot)
+        return slot

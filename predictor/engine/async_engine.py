@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from predictor.engine.adapters import Adapters
@@ -24,8 +25,18 @@ from predictor.engine.input_processor import InputProcessor, Limits, Tokenizer
 from predictor.engine.request import Request
 from predictor.engine.step import StepStats
 from predictor.engine.step_loop import StepLoop
-from predictor.errors import CheckpointError, EngineUnavailable, InvalidRequest, ModelMissing
+from predictor.errors import (
+    CheckpointError,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelMissing,
+    Overloaded,
+)
 from predictor.types import GenerateRequest, TokenEvent
+
+# how long a request waits for a LoRA adapter to be made resident while every resident one is
+# in use (--max-cpu-loras) before it is refused as Overloaded
+ROOM_WAIT_S = 60.0
 
 
 class AsyncEngine:
@@ -57,6 +68,7 @@ class AsyncEngine:
         self._default_timeout = default_timeout
         self._on_step = on_step  # the step stats' next reader (metrics)
         self._adapters = adapters  # LoRA adapters by name (None: the server serves none)
+        self._installing: dict[str, asyncio.Future[None]] = {}  # adapters being made resident
         self._live: dict[int, Request] = {}
         self._preparing = 0  # requests being tokenized: in flight, not yet in the scheduler
         # this step's events, appended and flushed on the step loop thread only
@@ -144,6 +156,9 @@ class AsyncEngine:
                 for r in requests if r.params.grammar is not None
             ))  # fmt: skip
             grammars = iter(compiled)
+            # the last wait: from here to the requests in _live, nothing else runs on this
+            # event loop, so no eviction can pick the adapters they are given
+            await self._make_resident({r.lora for r in requests if r.lora is not None})
             if not self.health():  # drained or stopped while tokenizing
                 raise EngineUnavailable("the engine is not accepting requests")
             loop = asyncio.get_running_loop()
@@ -192,9 +207,7 @@ class AsyncEngine:
             if self._on_step is not None:
                 self._on_step(stats)
             if self._adapters is not None and self._adapters.retiring():  # once unused
-                in_use = {r.adapter for r in list(self._live.values())}
-                in_use |= {r.adapter for r in list(self._loop.scheduler.running)}
-                self._adapters.free_unused(in_use)
+                self._adapters.free_unused(self._in_use())
         finally:  # the events go out even when a metrics backend fails
             self._flush()
 
@@ -213,7 +226,8 @@ class AsyncEngine:
         return len(names), busy, waiting
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Read, check and make resident an adapter (InvalidRequest with the reason)."""
+        """Read, check and register an adapter, resident where there is room (InvalidRequest
+        with the reason)."""
         if self._adapters is None:
             raise InvalidRequest("this server serves no LoRA adapters")
         try:
@@ -227,6 +241,58 @@ class AsyncEngine:
         if self._adapters is None:
             raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
         self._adapters.unload(name)
+
+    def _in_use(self) -> set[int]:
+        """The adapter slots of the requests in flight and of the rows still running."""
+        in_use = {r.adapter for r in list(self._live.values())}
+        return in_use | {r.adapter for r in list(self._loop.scheduler.running)}
+
+    async def _make_resident(self, names: set[str]) -> None:
+        """Every one of `names` resident (--max-cpu-loras): each that is not is read again and
+        installed in place of the least recently used adapter no request uses, waiting while
+        every resident one is in use (Overloaded after ROOM_WAIT_S)."""
+        adapters = self._adapters
+        if adapters is None or not names:
+            return
+        if adapters.limit and len(names) > adapters.limit:
+            raise InvalidRequest(f"{len(names)} LoRA adapters in one request; "
+                                 f"{adapters.limit} can be resident (--max-cpu-loras)")  # fmt: skip
+        while missing := [n for n in names if adapters.slot(n) is None]:
+            for name in missing:
+                task = self._installing.get(name)
+                if task is None:
+                    task = asyncio.ensure_future(self._install(name))
+                    self._installing[name] = task
+                    task.add_done_callback(partial(self._installed, name))
+                await asyncio.shield(task)
+
+    def _installed(self, name: str, _: asyncio.Future[None]) -> None:
+        self._installing.pop(name, None)
+
+    async def _install(self, name: str) -> None:
+        adapters = self._adapters
+        assert adapters is not None
+        waited = time.monotonic() + ROOM_WAIT_S
+        while (slot := adapters.reserve(self._in_use())) is None:
+            if time.monotonic() > waited:
+                raise Overloaded(f"LoRA adapter '{name}' waits for room: the {adapters.limit} "
+                                 "resident adapters are all in use (--max-cpu-loras)")  # fmt: skip
+            await asyncio.sleep(0.02)
+        try:
+            path = adapters.path(name)
+            if path is None:
+                raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
+            try:
+                adapter = await asyncio.to_thread(adapters.read, name, path)
+            except CheckpointError as exc:  # its files changed since it was loaded
+                raise EngineUnavailable(
+                    f"LoRA adapter '{name}' cannot be read again: {exc}"
+                ) from exc
+            await asyncio.to_thread(adapters.install, slot, adapter)
+        except BaseException:
+            adapters.release(slot)
+            raise
+        adapters.commit(name, slot)
 
     def _flush(self) -> None:
         if not self._outbox:

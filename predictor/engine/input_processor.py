@@ -76,8 +76,10 @@ class InputProcessor:
                 f"{len(requests)} prompts in one request; the limit is {self.limits.max_prompts}"
             )
         for request in requests:
-            if request.lora is not None:
-                self.adapter_slot(request.lora)
+            if request.lora is not None and (
+                self.adapters is None or not self.adapters.registered(request.lora)
+            ):
+                raise ModelMissing(f"LoRA adapter '{request.lora}' is not loaded")
             max_tokens = request.params.max_tokens
             if not 0 <= max_tokens <= self.limits.max_tokens:  # 0: only the prompt (echo)
                 raise InvalidRequest(
@@ -169,7 +171,8 @@ class InputProcessor:
         )
 
     def adapter_slot(self, name: str) -> int:
-        """The runner slot of the LoRA adapter of that name (ModelMissing: none such)."""
+        """The runner slot of the LoRA adapter of that name, made resident just before (on
+        the event loop, as this runs); ModelMissing where it is not (unloaded meanwhile)."""
         slot = None if self.adapters is None else self.adapters.slot(name)
         if slot is None:
             raise ModelMissing(f"LoRA adapter '{name}' is not loaded")

@@ -8,6 +8,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -150,6 +151,50 @@ def test_an_adapter_unloaded_mid_stream_finishes_that_stream_with_it(
             if len(texts) == 5:  # under way: unloaded now
                 assert post(runtime, "unload_lora_adapter", {"lora_name": "mid"}).is_success
     assert "".join(texts) == whole["choices"][0]["text"]
+
+
+def test_beyond_max_cpu_loras_the_least_recently_used_adapter_is_evicted_never_one_in_use(
+    adapted: ServerProcess, tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    """One resident adapter (--max-cpu-loras 1) for two: each request of the other has it read
+    again in place of the first, with the same tokens as a server holding both; a request of
+    the second waits while a stream of the first runs, and that stream is not disturbed."""
+    sql = write_adapter(tmp_path / "sql", tiny_gptq_dir, 8, 1)  # tiny-sql's and tiny-chat's
+    chat = write_adapter(tmp_path / "chat", tiny_gptq_dir, 16, 2)
+    extra = ["--max-cpu-loras", "1", "--max-tokens-limit", "512", "--lora-modules",
+             f"tiny-sql={sql}", f"tiny-chat={chat}"]  # fmt: skip
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as lru:
+        expected = {name: complete(adapted, name) for name in ("tiny-sql", "tiny-chat")}
+        for name in ("tiny-chat", "tiny-sql", "tiny-chat", "tiny"):  # each a switch
+            assert complete(lru, name) == (expected.get(name) or complete(adapted, name))
+        body = {"model": "tiny-sql", "prompt": "Go", "max_tokens": 500, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        whole = httpx.post(f"{lru.base_url}/v1/completions", json=body, timeout=120).json()
+        texts: list[str] = []
+        ended: dict[str, float] = {}
+        with ThreadPoolExecutor(1) as pool:
+            with (
+                httpx.Client(timeout=120) as client,
+                client.stream(
+                    "POST", f"{lru.base_url}/v1/completions", json=body | {"stream": True}
+                ) as response,  # fmt: skip
+            ):
+                for line in response.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    texts.append(json.loads(line[6:])["choices"][0]["text"])
+                    if len(texts) == 5:  # tiny-sql is in use: tiny-chat must wait for it
+
+                        def other() -> str:
+                            text = complete(lru, "tiny-chat")
+                            ended["chat"] = time.monotonic()
+                            return text
+
+                        waiting = pool.submit(other)
+            ended["sql"] = time.monotonic()
+            assert waiting.result(timeout=120) == expected["tiny-chat"]
+        assert "".join(texts) == whole["choices"][0]["text"]
+        assert ended["chat"] >= ended["sql"] - 0.5  # it ran once the stream's row was free
 
 
 def test_run_time_loading_is_off_unless_allowed(adapted: ServerProcess, tmp_path: Path) -> None:
