@@ -223,9 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     limits = Limits(settings.default_max_tokens, settings.max_json_depth)
     predictor = LLMPredictor(name, engine, limits, observer)
     adapters = [AdapterPredictor(adapter, predictor, path) for adapter, path in settings.adapters]
-    if name in {a.name for a in adapters}:
-        print(f"predictor: a LoRA adapter may not be named {name!r}, as the model is",
-              file=sys.stderr)  # fmt: skip
+    adapters += [AdapterPredictor(alias, predictor, None) for alias in settings.model_aliases]
+    names = [name, *(a.name for a in adapters)]
+    if len(set(names)) < len(names):
+        print(f"predictor: the model, its other names and the LoRA adapters are named {names}: "
+              "each name once", file=sys.stderr)  # fmt: skip
         return 2
     count_errors(metrics.observe_error)
     for model in (predictor, *adapters):

@@ -59,6 +59,7 @@ SERVING_CORES = 1  # cores the default thread count leaves to serving (Settings.
 class Settings:
     model_dir: Path = DEFAULT_MODEL_DIR
     model_name: str = ""  # empty: the model folder's name
+    model_aliases: tuple[str, ...] = ()  # other names the model answers to
     host: str = "127.0.0.1"
     http_port: int = 8080
     grpc_port: int = 8081
@@ -142,6 +143,9 @@ class Settings:
         ns = parser.parse_args(list(argv))
         values = {f.name: getattr(ns, f.name) for f in fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+        if ns.served_model_name:  # vLLM's: the name, then the other names
+            values["model_name"] = ns.served_model_name[0]
+            values["model_aliases"] = (*ns.served_model_name[1:], *values["model_aliases"])
         settings = cls(**values)
         settings.check()
         return settings
@@ -227,6 +231,8 @@ _HELP = {
     "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models)",
     "model_name": "name served under /v2/models/{name} and as the OpenAI model (default: the "
     "folder's name; also --served-model-name, vLLM's name)",
+    "model_aliases": "other names the model answers to on every protocol, each listed in "
+    "/v1/models (vLLM: --served-model-name's names after the first)",
     "host": "address to listen on (the container passes 0.0.0.0)",
     "http_port": "REST port (also --port, vLLM's name)",
     "ssl_certfile": "serve REST over HTTPS with this certificate (PEM; reloaded when renewed, "
@@ -349,7 +355,6 @@ def _otel_default(name: str, env: Mapping[str, str], default: str) -> str:
 # KServe's LLMInferenceService, passes these)
 VLLM_FLAGS = {
     "http_port": ("--port",),
-    "model_name": ("--served-model-name",),
 }
 
 
@@ -391,6 +396,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             }.get(f.name),
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="vLLM's: the model's name (--model-name), then other names it answers to "
+        "(--model-aliases)",
+    )
     # vLLM's switch for serving adapters: this server serves them without it
     parser.add_argument(
         "--enable-lora", action="store_true", help="vLLM's; adapters need no switch here"

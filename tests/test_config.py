@@ -109,7 +109,12 @@ def test_opentelemetry_variables_and_payload_settings() -> None:
 def test_vllm_flag_names_set_the_same_settings(tmp_path: Path) -> None:
     """What `vllm serve` is given (KServe's LLMInferenceService passes vLLM's flags)."""
     s = Settings.from_sources(["--port", "8000", "--served-model-name", "smollm"], {})
-    assert s.http_port == 8000 and s.model_name == "smollm"
+    assert s.http_port == 8000 and s.model_name == "smollm" and s.model_aliases == ()
+    # several names: the first is the model's, the others answer too (as vLLM's)
+    several = Settings.from_sources(
+        ["--served-model-name", "a", "org/a", "--model-aliases", "b"], {}
+    )
+    assert several.model_name == "a" and several.model_aliases == ("org/a", "b")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_text("x")
     key.write_text("x")

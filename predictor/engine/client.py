@@ -161,11 +161,13 @@ class AdapterClient:
     each request runs with that adapter; the engine's lifecycle belongs to the base model's
     client, so starting and stopping here do nothing."""
 
-    def __init__(self, engine: EngineClient, adapter: str) -> None:
+    def __init__(self, engine: EngineClient, adapter: str | None) -> None:
         self.engine = engine
-        self.adapter = adapter
+        self.adapter = adapter  # None: the model itself under another name
 
     def _adapted(self, request: GenerateRequest) -> GenerateRequest:
+        if self.adapter is None:
+            return request
         return dataclasses.replace(request, lora=self.adapter)
 
     def start(self) -> None:

@@ -162,15 +162,16 @@ class PredictorServer(ModelServer):
 
     async def _unload_adapter(self, name: str) -> None:
         """Its name unserved at once; its weights freed once no request uses them."""
-        if not isinstance(self.served_model(name), AdapterPredictor):
+        model = self.served_model(name)
+        if not isinstance(model, AdapterPredictor) or model.lineage is None:
             raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
         await self._base_model().llm.unload_adapter(name)
         self.registered_models.unload(name)  # an adapter: nothing of the engine stops
 
     def _base_model(self) -> LLMPredictor:
-        """The model the adapters adapt (the one that is not an adapter)."""
+        """The model the adapters adapt (the one that runs the engine)."""
         for model in self.served_models():
-            if isinstance(model, LLMPredictor) and not isinstance(model, AdapterPredictor):
+            if isinstance(model, LLMPredictor) and model.engine:
                 return model
         raise ModelMissing("no model is served")
 

@@ -119,14 +119,16 @@ def _metadata(spec: TensorSpec) -> dict[str, Any]:
 
 
 class AdapterPredictor(LLMPredictor):
-    """A LoRA adapter served as a model of its own name (vLLM's --lora-modules): every protocol
-    finds it by that name (the OpenAI `model`, the V2 / OIP / Triton path), and its requests
-    run with the adapter on the base model's engine, which the base model starts and stops."""
+    """A LoRA adapter served as a model of its own name (vLLM's --lora-modules), or, with no
+    path, another name of the model itself (vLLM's --served-model-name after its first): every
+    protocol finds it by that name (the OpenAI `model`, the V2 / OIP / Triton path), and its
+    requests run (with the adapter) on the base model's engine, which the base model starts and
+    stops."""
 
-    def __init__(self, name: str, base: LLMPredictor, path: str) -> None:
+    def __init__(self, name: str, base: LLMPredictor, path: str | None) -> None:
         Model.__init__(self, name)  # not LLMPredictor's: the base model's gauges stand
-        self.llm = AdapterClient(base.llm, name)
+        self.llm = AdapterClient(base.llm, name if path is not None else None)
         self.limits = base.limits
         self.observer = base.observer
-        self.lineage = (base.name, path)
+        self.lineage = (base.name, path) if path is not None else None
         self.engine = False

@@ -59,7 +59,7 @@ def test_served_with_vllm_flags_over_https_and_probed_at_health(
     port = free_port()
     launch, log = _launcher()
     args = ["-m", "predictor", "--model-dir", str(tiny_gptq_dir), "--served-model-name", "tiny-served",
-            "--port", str(port), "--grpc-port", str(free_port()), "--ssl-certfile", str(cert),
+            "publishers/kserve/models/tiny", "--port", str(port), "--grpc-port", str(free_port()), "--ssl-certfile", str(cert),
             "--ssl-keyfile", str(key), "--threads", "1", "--attention", "torch",
             "--kernel", "int4_op", "--speculative", "off"]  # fmt: skip
     process = launch(args, REPO, log)
@@ -80,13 +80,21 @@ def test_served_with_vllm_flags_over_https_and_probed_at_health(
                 time.sleep(0.2)
             assert health.content == b""
             models = client.get(f"{base}/v1/models").json()
-            assert [m["id"] for m in models["data"]] == ["tiny-served"]
+            listed = sorted(m["id"] for m in models["data"])
+            assert listed == ["publishers/kserve/models/tiny", "tiny-served"]
         with pytest.raises(httpx.TransportError):  # HTTPS only on that port
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
         tls_client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0,
                                    http_client=httpx.Client(verify=str(cert)))  # fmt: skip
         done = tls_client.completions.create(model="tiny-served", prompt="Hi", max_tokens=3)
         assert done.usage is not None and done.usage.completion_tokens == 3
+        # the other name (vLLM's second --served-model-name): the same model, answered as named
+        again = tls_client.completions.create(model="publishers/kserve/models/tiny", prompt="Hi",
+                                              max_tokens=3, temperature=0)  # fmt: skip
+        first = tls_client.completions.create(model="tiny-served", prompt="Hi", max_tokens=3,
+                                              temperature=0)  # fmt: skip
+        assert again.model == "publishers/kserve/models/tiny"
+        assert again.choices[0].text == first.choices[0].text
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
