@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 # GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
@@ -143,9 +144,7 @@ class Settings:
         ns = parser.parse_args(list(argv))
         values = {f.name: getattr(ns, f.name) for f in fields(cls)}
         values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-        if ns.served_model_name:  # vLLM's: the name, then the other names
-            values["model_name"] = ns.served_model_name[0]
-            values["model_aliases"] = (*ns.served_model_name[1:], *values["model_aliases"])
+        values["model_aliases"] = (*ns.served_aliases, *values["model_aliases"])
         settings = cls(**values)
         settings.check()
         return settings
@@ -400,14 +399,24 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         "--served-model-name",
         nargs="+",
         metavar="NAME",
+        action=_ServedNames,
         help="vLLM's: the model's name (--model-name), then other names it answers to "
         "(--model-aliases)",
     )
+    parser.set_defaults(served_aliases=())
     # vLLM's switch for serving adapters: this server serves them without it
     parser.add_argument(
         "--enable-lora", action="store_true", help="vLLM's; adapters need no switch here"
     )
     return parser
+
+
+class _ServedNames(argparse.Action):
+    """vLLM's --served-model-name NAME [NAME ...]: the model's name, then the others."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        namespace.model_name = values[0]
+        namespace.served_aliases = tuple(values[1:])  # before --model-aliases' (from_sources)
 
 
 def _lora_module(entry: str) -> tuple[str, str]:
