@@ -46,6 +46,10 @@ class Adapters:
     def registered(self, name: str) -> bool:
         return name in self._paths
 
+    def count(self) -> int:
+        """How many adapters are registered."""
+        return len(self._paths)
+
     def path(self, name: str) -> str | None:
         return self._paths.get(name)
 

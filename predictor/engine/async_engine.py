@@ -213,17 +213,20 @@ class AsyncEngine:
 
     # -- LoRA adapters at run time ------------------------------------------------------------
     def lora_requests(self) -> tuple[int, list[str], list[str]]:
-        """The adapters loaded (all may run at once), and those of the running and of the
-        waiting requests (what vLLM's `lora_requests_info` gauge reports)."""
+        """How many adapters may run at once (--max-loras, --max-cpu-loras, else every one
+        loaded), and those of the running and of the waiting requests (what vLLM's
+        `lora_requests_info` gauge reports)."""
         if self._adapters is None:
             return 0, [], []
+        bounds = [b for b in (self._loop.scheduler.max_loras, self._adapters.limit) if b]
+        at_once = min(bounds) if bounds else self._adapters.count()
         names = self._adapters.names()
         running = list(self._loop.scheduler.running)
         ids = {id(r) for r in running}
         busy = [names[r.adapter] for r in running if r.adapter in names]
         waiting = [names[r.adapter] for r in list(self._live.values())
                    if r.adapter in names and id(r) not in ids]  # fmt: skip
-        return len(names), busy, waiting
+        return at_once, busy, waiting
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Read, check and register an adapter, resident where there is room (InvalidRequest

@@ -165,6 +165,7 @@ def test_beyond_max_cpu_loras_the_least_recently_used_adapter_is_evicted_never_o
              f"tiny-sql={sql}", f"tiny-chat={chat}"]  # fmt: skip
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as lru:
         expected = {name: complete(adapted, name) for name in ("tiny-sql", "tiny-chat")}
+        assert lora_info(lru)["predictor_lora_requests_info"][0]["max_lora"] == "1"
         for name in ("tiny-chat", "tiny-sql", "tiny-chat", "tiny"):  # each a switch
             assert complete(lru, name) == (expected.get(name) or complete(adapted, name))
         body = {"model": "tiny-sql", "prompt": "Go", "max_tokens": 500, "temperature": 0,
