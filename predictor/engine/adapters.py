@@ -86,8 +86,10 @@ class Adapters:
         if slot is not None:
             try:
                 self.install(slot, adapter)
-            except BaseException:
+            except BaseException:  # nothing half-loaded stays
                 self.release(slot)
+                with self._lock:
+                    self._paths.pop(name, None)
                 raise
             self.commit(name, slot)
         return slot

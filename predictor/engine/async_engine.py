@@ -275,6 +275,8 @@ class AsyncEngine:
     async def _install(self, name: str) -> None:
         adapters = self._adapters
         assert adapters is not None
+        if adapters.path(name) is None:  # unloaded meanwhile: evict nothing for it
+            raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
         waited = time.monotonic() + ROOM_WAIT_S
         while (slot := adapters.reserve(self._in_use())) is None:
             if time.monotonic() > waited:

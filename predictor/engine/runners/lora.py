@@ -94,9 +94,9 @@ class Tables:
     """Per (layer, group), for the native kernel: int64 [adapters * MODULES] of the addresses of
     each adapter's group A^T (at its first module; 0 at the others) and modules' B^T, the
     modules' padded ranks (0: not adapted), first columns in the group's output and widths; an
-    adapter's entries at its row (`index`) * MODULES. `addresses`: the
-    five tables' own addresses per (layer, group), as the kernel takes them (a step makes 4 calls
-    a layer: each is a few microseconds, so nothing is looked up twice)."""
+    adapter's entries at its row (`index`) * MODULES. `addresses`: the five tables' own
+    addresses per (layer, group), as the kernel takes them (a step makes 4 calls a layer, each
+    a few microseconds: nothing is looked up twice)."""
 
     index: dict[int, int]  # slot -> its row in every table
     by_group: dict[tuple[int, str], tuple[torch.Tensor, ...]]
@@ -117,7 +117,7 @@ class Step:
 
 class LoraWeights:
     """The resident adapters' factors, per slot: as read (fp32), and in the native kernel's
-    bf16 layout (5 MB a step reads for a rank-16 adapter on every projection of the default
+    bf16 layout (9.8 MB a step reads for a rank-16 adapter on every projection of the default
     model); fp32 stacks per group for torch's matmuls are made from the first where a step
     needs them (a model not on the native path, and the check of the kernel against them)."""
 
