@@ -7,12 +7,12 @@ This is the only module that looks at argv or the environment; everything else r
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+
+from predictor import vllm_args
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 # GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
@@ -153,7 +153,7 @@ class Settings:
     def adapters(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, path): `NAME=PATH`, or vLLM's JSON form `{"name": NAME,
         "path": PATH}` (what KServe's LLMInferenceService passes)."""
-        return [_lora_module(entry) for entry in self.lora_modules]
+        return [vllm_args.lora_module(entry) for entry in self.lora_modules]
 
     def check(self) -> None:
         if self.default_max_tokens < 1 or self.max_tokens_limit < 1:
@@ -350,13 +350,6 @@ def _otel_default(name: str, env: Mapping[str, str], default: str) -> str:
     return value
 
 
-# the same settings under `vllm serve`'s flag names (a deployment written for vLLM, such as
-# KServe's LLMInferenceService, passes these)
-VLLM_FLAGS = {
-    "http_port": ("--port",),
-}
-
-
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m predictor",
@@ -381,7 +374,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 parser.error(f"{env_name}={env[env_name]!r} is not a valid {kind.__name__}")
         parser.add_argument(
             flag,
-            *VLLM_FLAGS.get(f.name, ()),
+            *vllm_args.FLAG_ALIASES.get(f.name, ()),  # vLLM's names too
             dest=f.name,
             type=convert,
             nargs=many,
@@ -395,40 +388,5 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             }.get(f.name),
             help=f"{_HELP[f.name]} [env {env_name}]",
         )
-    parser.add_argument(
-        "--served-model-name",
-        nargs="+",
-        metavar="NAME",
-        action=_ServedNames,
-        help="vLLM's: the model's name (--model-name), then other names it answers to "
-        "(--model-aliases)",
-    )
-    parser.set_defaults(served_aliases=())
-    # vLLM's switch for serving adapters: this server serves them without it
-    parser.add_argument(
-        "--enable-lora", action="store_true", help="vLLM's; adapters need no switch here"
-    )
+    vllm_args.add_arguments(parser)
     return parser
-
-
-class _ServedNames(argparse.Action):
-    """vLLM's --served-model-name NAME [NAME ...]: the model's name, then the others."""
-
-    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
-        namespace.model_name = values[0]
-        namespace.served_aliases = tuple(values[1:])  # before --model-aliases' (from_sources)
-
-
-def _lora_module(entry: str) -> tuple[str, str]:
-    if entry.startswith("{"):
-        try:
-            spec = json.loads(entry)
-        except ValueError as exc:
-            raise ValueError(f"--lora-modules: {entry!r} is not JSON ({exc})") from exc
-        name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (0, 0)
-    else:
-        name, _, path = entry.partition("=")
-    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-        raise ValueError(f"--lora-modules: {entry!r} is neither NAME=PATH nor "
-                         '{"name": NAME, "path": PATH}')  # fmt: skip
-    return name, path
