@@ -1,13 +1,15 @@
 """LoRA adapters served, the three figures of issue 47 in one run, one server:
 
 - C=16: 16 streams of 4 rank-16 adapters and the base model mixed, against 16 of the base model;
-- C=1: a rank-16 adapter's requests one after another, against the base model's;
-- three adapters loaded at run time (POST /v1/load_lora_adapter), one a second, while 8 streams
-  run: the longest gap between two tokens of a stream during each load, against the median gap,
-  beside the longest in a window as long just before it (the machine's own jitter: the client
-  and the server share its cores).
+- C=1: a rank-16 adapter's requests one after another, against the base model's (taking turns
+  request by request);
+- `--loads` adapters loaded at run time (POST /v1/load_lora_adapter), one a second, while 8 streams
+  run: the longest gap between two tokens of a stream that began during each load (the stream's
+  previous token came after the load was asked for), against the median gap, beside the longest
+  in a window as long just before it (the machine's own jitter: the client and the server share
+  its cores), and how many gaps were over 2x the median in each kind of window.
 
-    python -m load.bench_lora [--rounds 3] [--threads 1]
+    python -m load.bench_lora [--rounds 3] [--threads 1] [--loads 6]
 
 Adapters: random factors on every projection (load/random_lora.py), the default model,
 `--speculative off` (drafts would make the comparison one of acceptance), greedy, `ignore_eos`,
@@ -61,25 +63,32 @@ async def level(url: str, models: list[str], tokens: int) -> float:
     return sum(len(t) for t in done) / (time.perf_counter() - started)
 
 
-async def one_by_one(url: str, model: str, count: int, tokens: int) -> float:
-    total, seconds = 0, 0.0
+async def one_by_one(url: str, models: list[str], count: int, tokens: int) -> list[float]:
+    """`count` requests of each model, one at a time, the models taking turns request by
+    request (the same prompt in a turn: a drift of the machine's speed falls on each alike):
+    each model's tokens/s."""
+    total, seconds = [0] * len(models), [0.0] * len(models)
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(count):
-            started = time.perf_counter()
-            total += len(await stream(client, url, model, PROMPTS[i % len(PROMPTS)], tokens))
-            seconds += time.perf_counter() - started
-    return total / seconds
+            for j, model in enumerate(models):
+                started = time.perf_counter()
+                prompt = PROMPTS[i % len(PROMPTS)]
+                total[j] += len(await stream(client, url, model, prompt, tokens))
+                seconds[j] += time.perf_counter() - started
+    return [t / s for t, s in zip(total, seconds, strict=True)]
 
 
 async def load_during_streams(
     url: str, paths: list[Path], streams: int
-) -> list[tuple[float, float, float, float]]:
+) -> tuple[list[tuple[float, float, float, float]], tuple[int, int, int, int]]:
     """Adapters loaded one after another while `streams` streams run: per load, (the longest gap
-    between two tokens of a stream during the load, the same in a window as long just before
-    it with no load: the machine's own jitter, the median gap, the seconds the load took)."""
+    between two tokens of a stream that began during the load, the same in a window as long
+    just before it with no load: the machine's own jitter, the median gap, the seconds the
+    load took); and over all loads, (the gaps that began during one, how many of them were
+    over 2x the median, the same two in the windows before)."""
     async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.create_task(stream(client, url, "base", PROMPTS[i % len(PROMPTS)],
-                                            120 * (len(paths) + 1)))
+                                            70 * (len(paths) + 1)))
                  for i in range(streams)]  # fmt: skip
         await asyncio.sleep(1.5)
         windows = []
@@ -97,11 +106,19 @@ async def load_during_streams(
     median = statistics.median(g for g, _, _ in gaps)
 
     def longest(start: float, end: float) -> float:
-        return max((g for g, before, after in gaps if after >= start and before <= end),
-                   default=0.0)  # fmt: skip
+        """The longest gap whose next token was due in [start, end]: its stream's previous
+        token came in that window (a gap already running when the load was asked for is the
+        machine's, not the load's)."""
+        return max((g for g, before, _ in gaps if start <= before <= end), default=0.0)
 
-    return [(longest(began, ended), longest(2 * began - ended, began), median, ended - began)
-            for began, ended in windows]  # fmt: skip
+    def over(spans: list[tuple[float, float]]) -> tuple[int, int]:
+        inside = [g for g, before, _ in gaps if any(a <= before <= b for a, b in spans)]
+        return len(inside), sum(g > 2 * median for g in inside)
+
+    loads = [(longest(began, ended), longest(2 * began - ended, began), median, ended - began)
+             for began, ended in windows]  # fmt: skip
+    quiet = [(2 * began - ended, began) for began, ended in windows]
+    return loads, (*over(windows), *over(quiet))
 
 
 def main() -> None:
@@ -112,6 +129,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--loads", type=int, default=6)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
@@ -119,7 +137,7 @@ def main() -> None:
         for i, name in enumerate(names):
             write_adapter(root / name, args.model_dir, 16, i, std=0.02)
         late = [write_adapter(root / f"late{i}", args.model_dir, 16, 9 + i, std=0.02)
-                for i in range(3)]  # fmt: skip
+                for i in range(args.loads)]  # fmt: skip
         extra = ["--threads", str(args.threads), "--max-batch-size", "16", "--speculative", "off",
                  "--allow-runtime-lora", "true", "--lora-modules",
                  *(f"{n}={root / n}" for n in names)]  # fmt: skip
@@ -131,13 +149,18 @@ def main() -> None:
             for _ in range(args.rounds):
                 base16.append(asyncio.run(level(url, ["base"] * 16, args.tokens)))
                 mixed16.append(asyncio.run(level(url, (["base", *names] * 4)[:16], args.tokens)))
-                base1.append(asyncio.run(one_by_one(url, "base", 4, args.tokens)))
-                lora1.append(asyncio.run(one_by_one(url, "a0", 4, args.tokens)))
-            loads = asyncio.run(load_during_streams(url, late, 8))
+                pair = asyncio.run(one_by_one(url, ["base", "a0"], 4, args.tokens))
+                base1.append(pair[0])
+                lora1.append(pair[1])
+            loads, counts = asyncio.run(load_during_streams(url, late, 8))
+        # the LoRA kernel's modes, as the server's autotune chose them (autotune.tune_lora)
+        plan = [line.split("kernel lora: ", 1)[1] for line in log.read_text().splitlines()
+                if "kernel lora: " in line]  # fmt: skip
     b16, m16 = statistics.median(base16), statistics.median(mixed16)
     b1, l1 = statistics.median(base1), statistics.median(lora1)
+    kernel = plan[-1] if plan else "torch"
     print(f"CPU: {cpu_model()}; {args.threads} thread(s); {args.tokens} tokens a request; "
-          f"median of {args.rounds} rounds")  # fmt: skip
+          f"median of {args.rounds} rounds; LoRA kernel: {kernel}")  # fmt: skip
     print("| figure | base model | with adapters | ratio | goal |")
     print("|---|---|---|---|---|")
     print(f"| C=16, 4 adapters + base mixed | {b16:.1f} tok/s | {m16:.1f} tok/s | "
@@ -149,6 +172,9 @@ def main() -> None:
               f"{median * 1e3:.1f} ms; longest {quiet * 1e3:.1f} ms ({quiet / median:.2f}x) "
               f"just before, with no load | longest gap during the load {gap * 1e3:.1f} ms | "
               f"{gap / median:.2f}x | <= 2x |")  # fmt: skip
+    during, slow, before, slow_before = counts
+    print(f"gaps over 2x the median: {slow} of {during} that began during a load, "
+          f"{slow_before} of {before} in the windows just before (no load)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ import gc
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import REGISTRY
 
@@ -29,7 +30,7 @@ from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
 from predictor.model.layout import resolve_checkpoint_dir, served_name
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
-from predictor.model.lora import Adapter, load_adapter
+from predictor.model.lora import Adapter, reading_adapter
 from predictor.observability.metrics import Metrics
 from predictor.observability.observer import Observer
 from predictor.observability.payloads import PayloadLog
@@ -72,10 +73,10 @@ def build_engine(
                 release_model_weights=True,  # only the runner runs the served model
                 batch_invariant=settings.batch_invariant,
                 copies_after_ready=True,  # ready sooner; many-row steps at speed soon after
+                lora=bool(settings.lora_modules or settings.allow_runtime_lora),
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc
-    adapters = _adapters(settings, runner)
     speculation = None
     if settings.speculative != "off":
         config = SpeculationConfig(settings.speculative, settings.num_speculative_tokens)
@@ -90,6 +91,7 @@ def build_engine(
         max_loras=settings.max_loras,
     )
     step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared)
+    adapters = _adapters(settings, runner, step_loop.run_chore)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
     # kv_cache_usage_perc); one integer read at each scrape, never blocking the step loop
@@ -112,7 +114,9 @@ def build_engine(
     )
 
 
-def _adapters(settings: Settings, runner: Runner) -> Adapters | None:
+def _adapters(
+    settings: Settings, runner: Runner, run_chore: Callable[[Generator[None, None, Any]], Any]
+) -> Adapters | None:
     """The LoRA adapters (the CPU runner's), --lora-modules read, checked against the model and
     made resident; an adapter that cannot be served stops the start (AdapterError, its
     reason). None where the runner serves none."""
@@ -122,14 +126,18 @@ def _adapters(settings: Settings, runner: Runner) -> Adapters | None:
         return None
     lora = runner.lora
 
+    # read and laid out a slice at a time on the step loop's thread, between steps (at the
+    # start, before it runs: here at once); StepLoop.run_chore says why
     def read(name: str, path: str) -> Adapter:
-        adapter = load_adapter(name, Path(path), lora.shapes, lora.layers, settings.max_lora_rank)
+        adapter: Adapter = run_chore(reading_adapter(
+            name, Path(path), lora.shapes, lora.layers, settings.max_lora_rank
+        ))  # fmt: skip
         log.info("LoRA adapter %s (rank %d) from %s", name, adapter.rank, path)
         return adapter
 
     adapters = Adapters(
         read,
-        lambda slot, a: runner.add_adapter(slot, a.factors, a.scale),
+        lambda slot, a: run_chore(runner.adding_adapter(slot, a.factors, a.scale)),
         lora.remove,
         limit=settings.max_cpu_loras,
     )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar, cast
+
+T = TypeVar("T")
 
 
 class FinishReason(StrEnum):
@@ -205,3 +208,14 @@ class Completion:
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt: PromptEcho | None = None  # when the request asked for it (echo, prompt_logprobs)
+
+
+def run_to_end(slices: Generator[None, None, T]) -> T:
+    """What work done a slice at a time (a generator yielding between its slices: a LoRA
+    adapter's read and layout, which the step loop runs between steps) returns, run here at
+    once."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return cast(T, done.value)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections import deque
+from collections.abc import Callable, Collection, Generator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +31,7 @@ from predictor.engine.sampling import (
 )
 from predictor.engine.scheduler import Schedule, Scheduler
 from predictor.engine.step import Runner, StepRow, StepStats
-from predictor.types import FinishReason, PromptToken, TokenLogprob, TopLogprob
+from predictor.types import FinishReason, PromptToken, TokenLogprob, TopLogprob, run_to_end
 
 if TYPE_CHECKING:  # annotations only: the runners run torch
     import torch
@@ -37,6 +39,9 @@ if TYPE_CHECKING:  # annotations only: the runners run torch
 log = logging.getLogger(__name__)
 
 StepListener = Callable[[StepStats], None]
+# work run on the loop's thread between steps, a slice (one `next`) at a time; its return value
+# (StopIteration's) is the result
+Chore = Generator[None, None, Any]
 
 
 @dataclass
@@ -73,6 +78,7 @@ class StepLoop:
         # then the engine is not ready, so a first request is not sent to wait out the autotune
         self.prepared = threading.Event()
         self._thread: threading.Thread | None = None
+        self._chores: deque[tuple[Chore, Future[Any]]] = deque()
 
     # -- lifecycle (called from the asyncio side) -------------------------------------------
     def start(self, listener: StepListener | None = None) -> None:
@@ -100,6 +106,36 @@ class StepLoop:
     def notify(self) -> None:
         self._wake.set()
 
+    def run_chore(self, chore: Chore) -> Any:
+        """`chore`'s result, its slices run on the loop's thread, one between two steps (while
+        no step runs, one after another); blocks the calling thread (not the loop's) until it
+        is done, and raises what it raised. Where the loop does not run yet, here at once.
+
+        Why: work done on another thread while steps run (reading and laying out a LoRA
+        adapter: ~60 ms of CPU in hundreds of torch ops) takes the GIL at each of its ops from
+        the step thread and the event loop that delivers the tokens. Sliced between steps, a
+        step waits at most one slice (a few milliseconds) and nothing else waits."""
+        if not self.alive():
+            return run_to_end(chore)
+        if self._stopping.is_set():
+            raise RuntimeError("engine stopped")
+        future: Future[Any] = Future()
+        self._chores.append((chore, future))
+        self._wake.set()
+        return future.result()
+
+    def _chore_slice(self) -> None:
+        """One slice of the oldest chore."""
+        chore, future = self._chores[0]
+        try:
+            next(chore)
+        except StopIteration as done:
+            self._chores.popleft()
+            future.set_result(done.value)
+        except BaseException as exc:  # the caller's to handle
+            self._chores.popleft()
+            future.set_exception(exc)
+
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
         self.runner.bind_thread()
@@ -108,9 +144,12 @@ class StepLoop:
         if self._on_prepared is not None:
             self._on_prepared()
         while not self._stopping.is_set():
+            if self._chores:
+                self._chore_slice()
             if not self.scheduler.running and not self.scheduler.waiting():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                if not self._chores:
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
                 self.last_progress = self._clock()
                 continue
             try:
@@ -122,6 +161,8 @@ class StepLoop:
             self.last_progress = self._clock()
             self._tell(stats)
         self._fail_all("engine stopped")
+        while self._chores:  # their callers wait: they are told
+            self._chores.popleft()[1].set_exception(RuntimeError("engine stopped"))
         for request in self.scheduler.drain():
             request.finish(FinishReason.ERROR, error="engine stopped")
         self._tell(self._stats(Schedule()))

@@ -316,3 +316,43 @@ def test_logprobs_equal_log_softmax_of_a_direct_forward_pass(tiny_dense: Tiny) -
         assert abs(lp.logprob - float(row[lp.token_id])) < 1e-4
         assert [t.token_id for t in lp.top] == torch.topk(row, 2).indices.tolist()
         assert lp.token == tiny_dense.tokenizer.decode([lp.token_id])
+
+
+def test_chores_run_a_slice_between_two_steps_on_the_loop_thread(tiny_dense: Tiny) -> None:
+    """StepLoop.run_chore: before the loop runs, at once on the caller's thread; while it runs,
+    each slice on the loop's thread with a step between two slices while a request runs, the
+    chore's result returned to the caller and its exception raised there."""
+    import threading
+
+    loop = new_loop(tiny_dense.runner(num_blocks=64, block_size=4), frozenset())
+    steps: list[int] = []
+    seen: list[tuple[str, int]] = []
+
+    def chore(slices: int, fail: bool = False) -> Any:
+        for _ in range(slices):
+            seen.append((threading.current_thread().name, len(steps)))
+            yield
+        if fail:
+            raise ValueError("this adapter is bad")
+        return "done"
+
+    assert loop.run_chore(chore(2)) == "done"
+    assert [name for name, _ in seen] == [threading.current_thread().name] * 2
+    seen.clear()
+    loop.start(lambda stats: steps.append(stats.fed))
+    try:
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        request, sink = make_sequence(tiny_dense.tokenizer, [5, 6, 7], params)
+        loop.scheduler.add(request)
+        loop.notify()
+        while not sink.events:
+            threading.Event().wait(0.01)
+        assert loop.run_chore(chore(5)) == "done"
+        assert {name for name, _ in seen} == {"engine-step-loop"}
+        counts = [count for _, count in seen]
+        assert all(b > a for a, b in zip(counts, counts[1:], strict=False)), counts
+        with pytest.raises(ValueError, match="this adapter is bad"):
+            loop.run_chore(chore(1, fail=True))
+        assert loop.alive()  # a failed chore leaves the loop serving
+    finally:
+        loop.stop()

@@ -53,6 +53,16 @@ def corrupt_shape(folder: Path) -> None:
     save_file(tensors, str(folder / "adapter_model.safetensors"))
 
 
+def poison(folder: Path) -> None:
+    """One weight of layer 1's down_proj B made a NaN."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    key = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+    tensors[key][3, 1] = float("nan")
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+
+
 CASES: dict[str, tuple[dict[str, object], Callable[[Path], None] | None, str]] = {
     "rank over the limit": ({"rank": 128}, None, "rank 128 is not between 1 and 64"),
     "unknown target": ({"targets": ("q_proj", "lm_head")}, None, "lm_head"),
@@ -63,6 +73,7 @@ CASES: dict[str, tuple[dict[str, object], Callable[[Path], None] | None, str]] =
     "trained bias": ({"bias": "all"}, None, "bias='all' is not supported"),
     "not lora": ({"peft_type": "IA3"}, None, "not a LoRA adapter"),
     "a layer too many": ({}, lambda f: None, "names no projection"),
+    "a NaN weight": ({}, poison, "layer 1 down_proj: non-finite weights"),
 }
 
 

@@ -57,6 +57,24 @@ def test_an_adapter_changes_its_requests_only(adapted: ServerProcess) -> None:
     assert r.status_code == 200 and r.json()["text_output"] == sql
 
 
+def test_on_the_native_kernels_the_lora_modes_are_timed_at_start(
+    tiny_bf16_dir: Path, tmp_path: Path
+) -> None:
+    """A bf16 model (the native layer ops): the autotune timed lora_add's modes (bf16 factors,
+    int8 where the CPU has VNNI) at each row count at start and logged its plan, and the
+    adapter's requests run with it."""
+    adapter = write_adapter(tmp_path / "a", tiny_bf16_dir, 16, 3, std=0.2)
+    extra = ["--attention", "native", "--lora-modules", f"a={adapter}"]  # native layer ops
+    with ServerProcess.start(tiny_bf16_dir, "tiny", extra=extra) as proc:
+        assert complete(proc, "a") != complete(proc, "tiny")
+        log = proc.log()
+    timed = re.findall(r"autotune lora rank 16 at \d+ rows \(ms a pass\): bf16 ", log)
+    assert len(timed) == 7, log[-3000:]
+    plan = re.search(r"kernel lora: (.+)", log)
+    assert plan is not None and plan[1].startswith("1+ rows ")
+    assert {part.split()[-1] for part in plan[1].split(", ")} <= {"bf16", "int8"}
+
+
 def test_an_unknown_adapter_is_a_404_naming_it(adapted: ServerProcess) -> None:
     client = openai.OpenAI(base_url=f"{adapted.base_url}/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError, match="tiny-sq"):

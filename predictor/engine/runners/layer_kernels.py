@@ -58,17 +58,18 @@ class LayerKernels:
 
     def lora_add(
         self,
+        step: int,  # address of int64 [rows, which's address, order's address]: each row's
+        # adapter's row in the tables (-1: none), and the rows grouped by adapter
+        group: int,  # address of the projection group's int64 table (lora.py: Tables)
         x: torch.Tensor,  # [N, in] bf16, rows contiguous
-        rows: tuple[int, int],  # addresses of int64 [N]: each row's adapter's row in the tables
-        # (-1: none), and the rows grouped by adapter
-        tables: tuple[int, ...],  # addresses: A^T, B^T addresses, ranks, columns, widths
-        modules: int,  # table entries per adapter (its group's modules)
         out: torch.Tensor,  # [N, n] bf16, changed in place
     ) -> None:
-        a, b, ranks, columns, widths = tables
-        self._ops.lora_add(x.data_ptr(), x.stride(0), x.shape[0], rows[0], rows[1], a, b, ranks,
-                           columns, widths, modules, x.shape[1], out.data_ptr(), out.stride(0),
-                           1)  # fmt: skip
+        self._ops.lora_add(step, group, x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0))
+
+    @property
+    def lora_int8(self) -> bool:
+        """Whether lora_add has its int8 mode here (AVX-512 VNNI)."""
+        return bool(self._ops.lora_int8())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up [N, 2 inner] (gate first): [N, inner]."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ class ModelRunner:
         release_model_weights: bool = False,
         batch_invariant: bool = False,
         copies_after_ready: bool = False,
+        lora: bool = False,
     ) -> None:
         """`attention`: how decode rows attend. "native": the C kernel of native.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
@@ -81,7 +82,10 @@ class ModelRunner:
 
         `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
         thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
-        is ready seconds sooner, its many-row steps slower until they are built."""
+        is ready seconds sooner, its many-row steps slower until they are built.
+
+        `lora`: adapters will be served (--lora-modules, --allow-runtime-lora): the autotune
+        also times LoRA's kernel modes (autotune.py, `tune_lora`)."""
         self.model = model
         self.device = device
         self.threads = threads
@@ -104,6 +108,7 @@ class ModelRunner:
         # LoRA adapters, by slot (`add_adapter`), and this step's tokens grouped by slot
         shapes = projection_shapes(self._layers[0])
         self.lora = LoraWeights(shapes, len(self._layers), device)
+        self._tune_lora = lora
         self._lora_step: LoraStep | None = None
         # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
         fused = [fuse_layer(layer) for layer in self._layers]
@@ -247,6 +252,8 @@ class ModelRunner:
             self._autotune_cache, self.kernel, self.batch_invariant, self._copies_after_ready,
         )  # fmt: skip
         autotune.log_choices(self.choices, threads)
+        if self._tune_lora and self.lora.kernel is not None:
+            autotune.tune_lora(self.lora, self.batch_invariant)
         kinds = [kind for _, kind in fused]
         self._step_cost = step_cost(self.choices, linears, kinds, self._lm_head)
         later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
@@ -444,6 +451,12 @@ class ModelRunner:
     def add_adapter(self, slot: int, factors: Factors, scale: float) -> None:
         """Make a LoRA adapter resident as `slot` (rows with that `adapter` use it)."""
         self.lora.add(slot, factors, scale)
+
+    def adding_adapter(
+        self, slot: int, factors: Factors, scale: float
+    ) -> Generator[None, None, None]:
+        """`add_adapter` a slice at a time (StepLoop.run_chore runs it between steps)."""
+        return self.lora.adding(slot, factors, scale)
 
     def _norm_heads(self, index: int, qkv: torch.Tensor, n: int) -> torch.Tensor:
         """Qwen3's q_norm and k_norm on each head of q and k, in place ([N, q + 2 kv])."""

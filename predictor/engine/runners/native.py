@@ -106,9 +106,8 @@ PROTOTYPES = {
         void rope_write(ptr qkv, i64 n, i64 heads, i64 kv_heads, ptr cos, ptr sin, ptr pool,
                         i64 slots, ptr slots_of, i64 threads)
         void silu_mul(ptr gate_up, i64 n, i64 inner, ptr out, i64 threads)
-        void lora_add(ptr x, i64 x_stride, i64 rows, ptr which, ptr order, ptr a, ptr b,
-                      ptr ranks, ptr columns, ptr widths, i64 modules, i64 in, ptr out,
-                      i64 out_stride, i64 threads)""",
+        void lora_add(ptr step, ptr group, ptr x, i64 x_stride, ptr out, i64 out_stride)
+        i64 lora_int8()""",
 }
 CTYPES: dict[str, Any] = {
     "void": None,
@@ -380,7 +379,8 @@ class LayerOps:
     add_rms_norm: Callable[[int, int | None, int, float, int, int, int, int], None]
     rope_write: Callable[[int, int, int, int, int, int, int, int, int, int], None]
     silu_mul: Callable[[int, int, int, int, int], None]
-    lora_add: Callable[..., None]
+    lora_add: Callable[[int, int, int, int, int, int], None]
+    lora_int8: Callable[[], int]
 
 
 @functools.lru_cache(maxsize=4)
@@ -388,7 +388,7 @@ def layer_ops(head_dim: int, cache_dir: Path | None = None) -> LayerOps:
     """layer_ops.c compiled for this head_dim (kept in `cache_dir`, the library cache, where
     given); NativeUnavailable if it cannot be built here."""
     lib = _build([f"-DDIM={head_dim}"], LAYER_SOURCE, THREADED, cache_dir)
-    names = ("add_rms_norm", "rope_write", "silu_mul", "lora_add")
+    names = ("add_rms_norm", "rope_write", "silu_mul", "lora_add", "lora_int8")
     ops = LayerOps(*(_bind(lib, name) for name in names))
     logger.info("native layer ops ready (head_dim %d)", head_dim)
     return ops

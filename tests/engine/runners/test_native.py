@@ -111,7 +111,7 @@ def test_a_rows_queries_in_one_pass_equal_each_decoded_alone(threads: int) -> No
 
 # a C parameter's type as PROTOTYPES shortens it
 C_TYPES = {"int64_t": "i64", "float": "f32", "int": "int", "size_t": "size_t", "void": "void"}
-EXPORTED = re.compile(r"^(void|int|size_t) (\w+)\(([^)]*)\) \{", re.M)
+EXPORTED = re.compile(r"^(void|int|int64_t|size_t) (\w+)\(([^)]*)\) \{", re.M)
 
 
 def test_the_prototypes_table_is_what_each_source_exports() -> None:
