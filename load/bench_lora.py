@@ -153,7 +153,7 @@ def main() -> None:
                 base1.append(pair[0])
                 lora1.append(pair[1])
             loads, counts = asyncio.run(load_during_streams(url, late, 8))
-        # the LoRA kernel's modes, as the server's autotune chose them (autotune.tune_lora)
+        # the LoRA kernel's modes, as the server's autotune chose them (lora_tune.py)
         plan = [line.split("kernel lora: ", 1)[1] for line in log.read_text().splitlines()
                 if "kernel lora: " in line]  # fmt: skip
     b16, m16 = statistics.median(base16), statistics.median(mixed16)

@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Collection, Generator
-from concurrent.futures import Future
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from predictor.engine.chores import Chore, Chores
 from predictor.engine.request import Request
 from predictor.engine.sampling import (
     NO_TOKEN_ALLOWED,
@@ -39,9 +38,6 @@ if TYPE_CHECKING:  # annotations only: the runners run torch
 log = logging.getLogger(__name__)
 
 StepListener = Callable[[StepStats], None]
-# work run on the loop's thread between steps, a slice (one `next`) at a time; its return value
-# (StopIteration's) is the result
-Chore = Generator[None, None, Any]
 
 
 @dataclass
@@ -78,7 +74,7 @@ class StepLoop:
         # then the engine is not ready, so a first request is not sent to wait out the autotune
         self.prepared = threading.Event()
         self._thread: threading.Thread | None = None
-        self._chores: deque[tuple[Chore, Future[Any]]] = deque()
+        self._chores = Chores()  # work between steps (run_chore)
 
     # -- lifecycle (called from the asyncio side) -------------------------------------------
     def start(self, listener: StepListener | None = None) -> None:
@@ -108,33 +104,16 @@ class StepLoop:
 
     def run_chore(self, chore: Chore) -> Any:
         """`chore`'s result, its slices run on the loop's thread, one between two steps (while
-        no step runs, one after another); blocks the calling thread (not the loop's) until it
-        is done, and raises what it raised. Where the loop does not run yet, here at once.
-
-        Why: work done on another thread while steps run (reading and laying out a LoRA
-        adapter: ~60 ms of CPU in hundreds of torch ops) takes the GIL at each of its ops from
-        the step thread and the event loop that delivers the tokens. Sliced between steps, a
-        step waits at most one slice (a few milliseconds) and nothing else waits."""
+        no step runs, one after another: chores.py says why); blocks the calling thread (not
+        the loop's) until it is done, and raises what it raised. Where the loop does not run
+        yet, here at once."""
         if not self.alive():
             return run_to_end(chore)
         if self._stopping.is_set():
             raise RuntimeError("engine stopped")
-        future: Future[Any] = Future()
-        self._chores.append((chore, future))
+        future = self._chores.submit(chore)
         self._wake.set()
         return future.result()
-
-    def _chore_slice(self) -> None:
-        """One slice of the oldest chore."""
-        chore, future = self._chores[0]
-        try:
-            next(chore)
-        except StopIteration as done:
-            self._chores.popleft()
-            future.set_result(done.value)
-        except BaseException as exc:  # the caller's to handle
-            self._chores.popleft()
-            future.set_exception(exc)
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
@@ -145,7 +124,7 @@ class StepLoop:
             self._on_prepared()
         while not self._stopping.is_set():
             if self._chores:
-                self._chore_slice()
+                self._chores.run_slice()
             if not self.scheduler.running and not self.scheduler.waiting():
                 if not self._chores:
                     self._wake.wait(timeout=0.5)
@@ -161,8 +140,7 @@ class StepLoop:
             self.last_progress = self._clock()
             self._tell(stats)
         self._fail_all("engine stopped")
-        while self._chores:  # their callers wait: they are told
-            self._chores.popleft()[1].set_exception(RuntimeError("engine stopped"))
+        self._chores.fail_all("engine stopped")  # their callers wait: they are told
         for request in self.scheduler.drain():
             request.finish(FinishReason.ERROR, error="engine stopped")
         self._tell(self._stats(Schedule()))

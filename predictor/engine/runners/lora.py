@@ -11,7 +11,7 @@ decode rows, as two plain matmuls a slot: the CPU's torch ops).
 On the native path (a bf16 model), layer_ops.c's lora_add does it for every row in one call a
 projection, in one of two modes (`MODES`): "bf16", the factors in bf16 and the sums in fp32;
 "int8" (AVX-512 VNNI), the factors and the activations in int8 (half the bytes a step reads,
-a quarter of the instructions). The autotune (autotune.py, `tune_lora`) times both at each
+a quarter of the instructions). The autotune (lora_tune.py) times both at each
 row-count bucket and `plan` picks per step.
 """
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from predictor.config import ATTENTION, FUSED_KERNELS
-from predictor.engine.runners import autotune, memory, torch_attention
+from predictor.engine.runners import autotune, lora_tune, memory, torch_attention
 from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.family import family
 from predictor.engine.runners.int4_codes import release_repack_tables
@@ -85,7 +85,7 @@ class ModelRunner:
         is ready seconds sooner, its many-row steps slower until they are built.
 
         `lora`: adapters will be served (--lora-modules, --allow-runtime-lora): the autotune
-        also times LoRA's kernel modes (autotune.py, `tune_lora`)."""
+        also times LoRA's kernel modes (lora_tune.py)."""
         self.model = model
         self.device = device
         self.threads = threads
@@ -253,7 +253,7 @@ class ModelRunner:
         )  # fmt: skip
         autotune.log_choices(self.choices, threads)
         if self._tune_lora and self.lora.kernel is not None:
-            autotune.tune_lora(self.lora, self.batch_invariant)
+            lora_tune.tune(self.lora, self.batch_invariant)
         kinds = [kind for _, kind in fused]
         self._step_cost = step_cost(self.choices, linears, kinds, self._lm_head)
         later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""

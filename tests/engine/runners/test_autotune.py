@@ -16,7 +16,6 @@ import torch
 
 from predictor.engine.runners import autotune, native
 from predictor.engine.runners.int4_linear import FusedLayer, Int4Linear, fuse_layer, resolve_kernel
-from predictor.engine.step import StepRow
 
 
 def layers(tiny_gptq: Any) -> tuple[list[Int4Linear], list[str]]:
@@ -206,40 +205,3 @@ def test_copies_are_built_after_tune_returns(
     assert torch.allclose(whole_out.float(), lean_out.float(), atol=0.05, rtol=0.05)
     assert choices.plans[next(iter(choices.plans))] == whole
     assert head(x).shape[0] == 16
-
-
-@pytest.mark.parametrize("invariant", [False, True])
-def test_lora_modes_are_timed_per_bucket(
-    tiny_bf16_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, invariant: bool
-) -> None:
-    """tune_lora times lora_add's modes at every bucket and installs the fastest per bucket
-    (one mode at every bucket under --batch-invariant); a resident adapter follows the plan."""
-    from load.random_lora import write_adapter
-    from predictor.engine.runners.lora import projection_shapes
-    from predictor.engine.runners.model import ModelRunner
-    from predictor.model.loader import load_checkpoint
-    from predictor.model.lora import load_adapter
-    from tests.support import tune_cache
-
-    loaded = load_checkpoint(tiny_bf16_dir, device="cpu", threads=1)
-    runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache(),
-                         batch_invariant=invariant)  # fmt: skip
-    if runner.lora.kernel is None:
-        pytest.skip("no native layer ops here")
-    layers = loaded.model.model.layers
-    folder = write_adapter(tmp_path / "a", tiny_bf16_dir, 8, 1)
-    adapter = load_adapter("a", folder, projection_shapes(layers[0]), len(layers), max_rank=64)
-    runner.add_adapter(1, adapter.factors, adapter.scale)
-    with caplog.at_level(logging.INFO, logger="predictor.engine.runners.autotune"):
-        plan = autotune.tune_lora(runner.lora, invariant)
-    modes = {"bf16", "int8"} if runner.lora.kernel.lora_int8 else {"bf16"}
-    timed = [r.getMessage() for r in caplog.records if "autotune lora" in r.getMessage()]
-    assert len(timed) == len(autotune.BUCKETS) and all(
-        all(f"{mode} " in line for mode in modes) for line in timed
-    )
-    assert plan == runner.lora.plan and plan[0][0] == 1 and {m for _, m in plan} <= modes
-    assert [rows for rows, _ in plan] == sorted({rows for rows, _ in plan})
-    if invariant:
-        assert len(plan) == 1
-    before = runner.forward([StepRow([0], 0, [5, 6, 7], True, adapter=1)])
-    assert torch.isfinite(before).all()

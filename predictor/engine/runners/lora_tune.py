@@ -1,0 +1,93 @@
+"""Which mode LoRA's native kernel (layer_ops.c's lora_add) runs at each row-count bucket,
+measured on this machine at start as autotune.py measures the matmuls' kernels: bf16 factors
+with fp32 sums, or int8 factors and activations where the CPU has AVX-512 VNNI (lora.py, MODES).
+Timed only where adapters will be served (--lora-modules, --allow-runtime-lora): a fraction of a
+second, not cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from predictor.engine.runners.autotune import ALL_LAYERS_UP_TO, BUCKETS, FEW_LAYERS, REPEATS
+from predictor.engine.runners.lora import GROUPS, Factors, LoraWeights
+
+logger = logging.getLogger(__name__)
+
+
+LORA_RANK = 16  # the adapters' rank lora_add's modes are timed with (a typical fine-tune's)
+
+
+def tune(weights: LoraWeights, invariant: bool = False) -> list[tuple[int, str]]:
+    """lora_add's mode per row-count bucket (lora.py's MODES), timed here on an adapter of rank
+    LORA_RANK on every projection of every layer (random factors; the time depends on shapes
+    only): bf16 factors with fp32 sums, or int8 factors and activations where the kernel has
+    them (AVX-512 VNNI). `invariant` (--batch-invariant): one mode at every row count (a row's
+    bits may not depend on how many rows share its step), the fastest over the buckets.
+    Installs the plan on `weights` and returns it. A pass takes a fraction of a second."""
+    modes = ["bf16", "int8"] if weights.kernel.lora_int8 else ["bf16"]  # timed even alone: the log
+    generator = torch.Generator().manual_seed(0)
+    factors: Factors = {
+        (layer, module): (torch.randn(LORA_RANK, features_in, generator=generator) * 0.02,
+                          torch.randn(features_out, LORA_RANK, generator=generator) * 0.02)
+        for layer in range(weights.layers)
+        for module, (features_in, features_out) in weights.shapes.items()
+    }  # fmt: skip
+    probe = LoraWeights(weights.shapes, weights.layers, weights.device)
+    probe.kernel = weights.kernel
+    figures: dict[int, dict[str, float]] = {rows: {} for rows in BUCKETS}
+    for mode in modes:
+        probe.plan = [(1, mode)]
+        probe.add(1, factors, 1.0)
+        for rows in BUCKETS:
+            figures[rows][mode] = _time(probe, rows)
+        probe.remove(1)
+    if invariant:
+        best = min(modes, key=lambda mode: sum(timed[mode] for timed in figures.values()))
+        plan = [(1, best)]
+    else:
+        plan = []
+        for rows, timed in figures.items():
+            best = min(timed, key=timed.__getitem__)
+            if not plan or plan[-1][1] != best:
+                plan.append((rows, best))
+    for rows, timed in figures.items():
+        ranked = ", ".join(f"{mode} {seconds * 1e3:.3f}" for mode, seconds in timed.items())
+        logger.info("autotune lora rank %d at %d rows (ms a pass): %s", LORA_RANK, rows, ranked)
+    weights.plan = plan
+    logger.info("kernel lora: %s", ", ".join(f"{rows}+ rows {mode}" for rows, mode in plan))
+    return plan
+
+
+def _time(weights: LoraWeights, rows: int) -> float:
+    """Seconds one pass of lora_add over every layer's projection groups takes at `rows` rows of
+    the one adapter (all layers up to ALL_LAYERS_UP_TO rows, then FEW_LAYERS), fastest of
+    REPEATS after a warm pass."""
+    step = weights.step([1] * rows)
+    assert step is not None
+    calls = []
+    for group, modules in GROUPS.items():
+        present = [m for m in modules if m in weights.shapes]
+        if not present:
+            continue
+        x = torch.randn(rows, weights.shapes[present[0]][0]).to(torch.bfloat16)
+        out = torch.zeros(rows, sum(weights.shapes[m][1] for m in present), dtype=torch.bfloat16)
+        calls.append((group, x, out))
+    layers = range(weights.layers if rows <= ALL_LAYERS_UP_TO else min(FEW_LAYERS, weights.layers))
+
+    def one_pass() -> None:
+        for layer in layers:
+            for group, x, out in calls:
+                weights.apply(layer, group, x, out, step)
+
+    one_pass()
+    best = math.inf
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        one_pass()
+        best = min(best, time.perf_counter() - start)
+    return best * weights.layers / len(layers)
