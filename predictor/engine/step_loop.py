@@ -113,7 +113,12 @@ class StepLoop:
             raise RuntimeError("engine stopped")
         future = self._chores.submit(chore)
         self._wake.set()
-        return future.result()
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:  # a loop that stopped after the check above tells no one
+                if not self.alive():
+                    raise RuntimeError("engine stopped") from None
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
