@@ -82,6 +82,19 @@ void rope_write(uint16_t *qkv, int64_t n, int64_t heads, int64_t kv_heads, const
     }
 }
 
+/* One row of silu_mul. Not inlined, its pointers restrict: inlined into the row loop, gcc 12
+   vectorises it behind a run-time aliasing check that sends every call down the scalar loop
+   (measured: 7.7 us a row of 1536 against 1.0 us, AVX-512 Xeon; 30 layers, each row of a
+   step, each draft of a verifying row: 0.2 ms a row a step). */
+__attribute__((noinline)) static void silu_row(const uint16_t *restrict gate,
+                                                const uint16_t *restrict up,
+                                                uint16_t *restrict out, int64_t inner) {
+    for (int64_t i = 0; i < inner; i++) {
+        const float x = from_bf16(gate[i]);
+        out[i] = to_bf16(x / (1.0f + exp_approx(-x)) * from_bf16(up[i]));
+    }
+}
+
 /* out [n][inner] = silu(gate) * up, gate_up [n][2 inner]: gate columns first, then up */
 void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out,
               int64_t threads) {
@@ -89,14 +102,8 @@ void silu_mul(const uint16_t *gate_up, int64_t n, int64_t inner, uint16_t *out,
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) num_threads(threads > 1 ? (int)threads : 1) if (threads > 1 && n > 1)
 #endif
-    for (int64_t t = 0; t < n; t++) {
-        const uint16_t *g = gate_up + t * 2 * inner, *u = g + inner;
-        uint16_t *o = out + t * inner;
-        for (int64_t i = 0; i < inner; i++) {
-            const float x = from_bf16(g[i]);
-            o[i] = to_bf16(x / (1.0f + exp_approx(-x)) * from_bf16(u[i]));
-        }
-    }
+    for (int64_t t = 0; t < n; t++)
+        silu_row(gate_up + t * 2 * inner, gate_up + t * 2 * inner + inner, out + t * inner, inner);
 }
 
 /* LoRA's products for each row with its own adapter: out[t] += B (A x[t]) for every module of
