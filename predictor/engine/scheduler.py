@@ -320,7 +320,7 @@ class Scheduler:
             proposed = proposed[: self._room(request, len(proposed))]
             if proposed:
                 candidates.append((request, proposed))
-                offers.append((len(proposed), state.acceptance))
+                offers.append((len(proposed), *state.chances))
         if not candidates:
             return {}
         granted = policy.choose(len(decoding), offers)

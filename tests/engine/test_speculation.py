@@ -73,7 +73,7 @@ class Always(Policy):
         super().__init__(None)
 
     def choose(self, rows: int, offers: Any) -> list[int]:
-        return [count for count, _ in offers]
+        return [count for count, *_ in offers]
 
 
 def free_drafts(mode: str = "ngram", k: int = 4) -> tuple[Proposer, Policy]:
@@ -129,32 +129,47 @@ def test_many_salts_share_one_bound() -> None:
 def test_policy_grants_drafts_while_they_add_tokens_faster_than_the_step() -> None:
     # the runner's matmul figures: 10 ms a step, 0.2 ms per token fed
     policy = Policy(lambda fed, rows: 0.010 + 0.0002 * fed, explore_every=1000)
-    assert policy.choose(1, [(4, 0.9)]) == [0]  # first a plain step, measured
+    assert policy.choose(1, [(4, 0.9, 0.9)]) == [0]  # first a plain step, measured
     policy.observe(1, 0, 0.015)
-    assert policy.choose(1, [(4, 0.9)]) == [4]  # a draft costs 0.2 ms, as the figures say
+    assert policy.choose(1, [(4, 0.9, 0.9)]) == [4]  # a draft costs 0.2 ms, as the figures say
     # measured: 4 drafts made the step 12 ms longer (3 ms each, a fifth of a step)
     policy.observe(1, 4, 0.027)
     assert policy.per_draft(1) == pytest.approx(0.003)
-    assert policy.choose(1, [(4, 0.9)]) == [4]  # 0.9 ** 4 = 0.66 of a token for 3 ms
-    assert policy.choose(1, [(4, 0.3)]) == [1]  # its second: 0.09 of a token, too dear
-    assert policy.choose(1, [(4, 0.15)]) == [0]  # free chat: nothing pays
+    assert policy.choose(1, [(4, 0.9, 0.9)]) == [4]  # 0.9 ** 4 = 0.66 of a token for 3 ms
+    assert policy.choose(1, [(4, 0.3, 0.3)]) == [1]  # its second: 0.09 of a token, too dear
+    assert policy.choose(1, [(4, 0.15, 0.15)]) == [0]  # free chat: nothing pays
     # two rows: the likelier drafts first, and they raise the bar: after them a draft of the
     # doubtful row (0.4 of a token) adds tokens slower than the step now makes them
     policy.observe(2, 0, 0.016)
-    assert policy.choose(2, [(4, 0.4), (4, 0.95)]) == [0, 4]
-    assert policy.choose(2, [(4, 0.4), (0, 0.95)]) == [1, 0]
+    assert policy.choose(2, [(4, 0.4, 0.4), (4, 0.95, 0.95)]) == [0, 4]
+    assert policy.choose(2, [(4, 0.4, 0.4), (0, 0.95, 0.95)]) == [1, 0]
     # 16 rows: a draft must make nearly a row's share of the step's tokens
     policy.observe(16, 0, 0.040)
     policy.observe(16, 16, 0.080)  # 2.5 ms each
-    assert policy.choose(16, [(4, 0.9)] * 16) == [0] * 16
-    assert policy.choose(16, [(4, 0.9)] * 16) == [0] * 16
+    assert policy.choose(16, [(4, 0.9, 0.9)] * 16) == [0] * 16
+    assert policy.choose(16, [(4, 0.9, 0.9)] * 16) == [0] * 16
+
+
+def test_the_first_draft_of_a_step_costs_what_was_measured() -> None:
+    """A step with any drafts costs more than its drafts' own share (the verification's fixed
+    work): fitted from steps of different draft counts, it keeps a guess from a step where the
+    eight drafts of a copy would pay."""
+    policy = Policy(None)
+    policy.observe(1, 0, 0.010)
+    for _ in range(5):
+        policy.observe(1, 1, 0.013)  # one draft: 3 ms more
+        policy.observe(1, 8, 0.020)  # eight: 10 ms more
+    assert policy.per_draft(1) == pytest.approx(0.001)
+    assert policy.first_draft(1) == pytest.approx(0.002)
+    assert policy.choose(1, [(1, 0.3, 0.3)]) == [0]  # 0.3 of a token for 3 ms: too dear
+    assert policy.choose(1, [(8, 0.9, 0.95)]) == [8]
 
 
 def test_policy_tries_a_declined_draft_again_now_and_then() -> None:
     policy = Policy(None, explore_every=3)
     policy.observe(1, 0, 0.010)
     policy.observe(1, 1, 0.030)  # measured in a noisy moment: 20 ms a draft
-    assert [policy.choose(1, [(2, 0.8)]) for _ in range(3)] == [[0], [0], [1]]
+    assert [policy.choose(1, [(2, 0.8, 0.8)]) for _ in range(3)] == [[0], [0], [1]]
     policy.observe(1, 1, 0.011)  # measured again
     assert policy.per_draft(1) < 0.020
     # unmeasured, no figures: a draft costs a tenth of a plain step
@@ -163,13 +178,58 @@ def test_policy_tries_a_declined_draft_again_now_and_then() -> None:
     assert fresh.per_draft(4) == pytest.approx(0.002)
 
 
-def test_a_new_row_starts_from_the_recent_rows_acceptance() -> None:
-    proposer = Proposer(SpeculationConfig("ngram", 4))
+def test_drafts_are_as_likely_as_their_kind_of_match_was_accepted() -> None:
+    """What each kind of match (by source and matched length) was worth carries to the next
+    rows: a long copied span is drafted on, a guess from one token of context stays doubtful."""
+    proposer = Proposer(SpeculationConfig("ngram", 4, max_n=4))
     first = proposer.state()
+    text = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7, 8]
+    assert proposer.propose(first, text, None, 4) == [9, 1, 2, 5]  # 4 tokens matched (max_n)
     for _ in range(20):
-        first.observe(4, 0)  # nothing accepted, again and again
-    assert first.acceptance < 0.01
-    assert proposer.state().acceptance < 0.1  # free chat: the next row starts doubtful
+        first.observe(4, 4)  # every draft accepted
+    assert min(first.chances) > 0.9
+    guess = proposer.state()
+    assert proposer.propose(guess, [3, 4, 1, 9, 4], None, 4) == [1, 9]  # 1 token matched
+    assert guess.chances == pytest.approx((0.5, 0.5))  # nothing known of this kind yet
+    for _ in range(20):
+        guess.observe(2, 0)  # nothing accepted, again and again
+    assert guess.chances[0] < 0.1
+    later = proposer.state()  # the next row: a guess doubtful, a long match likely
+    assert proposer.propose(later, [5, 3, 5], None, 4) == [3]
+    assert later.chances[0] < 0.1
+    assert proposer.propose(later, [*text, 9], None, 4) == [1, 2, 5, 6]
+    assert min(later.chances) > 0.9
+
+
+def test_a_copy_once_started_goes_on() -> None:
+    """The first draft of a kind may be a coin toss where the ones after it are near sure:
+    both chances are learnt, and the policy grants the whole run or none of it."""
+    proposer = Proposer(SpeculationConfig("ngram", 4))
+    state = proposer.state()
+    assert proposer.propose(state, [1, 2, 3, 4, 9, 1, 2], None, 4) == [3, 4, 9, 1]
+    for turn in range(40):
+        state.observe(4, 4 if turn % 2 else 0)  # every other first draft right, then all
+    first, later = state.chances
+    assert first == pytest.approx(0.5, abs=0.05)
+    assert later > 0.9
+    policy = Policy(None)
+    policy.observe(1, 0, 0.010)
+    policy.observe(1, 4, 0.014)  # 1 ms a draft
+    assert policy.choose(1, [(4, first, later)]) == [4]
+    for _ in range(10):
+        policy.observe(1, 4, 0.034)  # drafts dear now: 6 ms each
+    assert policy.choose(1, [(4, first, later)]) == [0]
+
+
+def test_the_better_kind_of_match_of_own_text_and_recent_answers_drafts() -> None:
+    proposer = Proposer(SpeculationConfig("suffix", 3, max_n=3))
+    proposer.finished([1, 2, 3, 40, 41, 42, 43, 44], 3, None)  # an earlier answer
+    state = proposer.state()
+    asking = [42, 50, 41, 42]  # own text: 42 then 50 (1 token matched); answers: 41 42 43 44
+    assert proposer.propose(state, asking, None, 3) == [43, 44]  # 2 matched beat 1 (equal rates)
+    for _ in range(10):
+        state.observe(2, 0)  # the answers' kind turns out wrong here
+    assert proposer.propose(state, asking, None, 3) == [50, 41]  # the row's own now
 
 
 # -- the step loop ------------------------------------------------------------------------------
