@@ -34,6 +34,17 @@
 
 static inline size_t group_bytes(int64_t gs) { return (size_t)(64 + gs * 8); }
 
+/* The packed weights stream from memory once a step (a model's weights are more than the caches
+   hold), tile after tile, in order. Left to the hardware prefetcher the kernels waited on memory
+   and then computed, one after the other: each group's bytes are requested PREFETCH_AHEAD
+   bytes before they are used. Measured, SmolLM2-135M's whole step at one row and a 300-token
+   context (Xeon family 6 model 167, 1 thread): 10.2 -> 9.3 ms; a row with 1 draft 12.0 ->
+   10.1, with 8 drafts 20.6 -> 18.2 ms (1024 bytes ahead: no better than none; 4096: as 2048). */
+#define PREFETCH_AHEAD 2048
+static inline void prefetch_ahead(const uint8_t *at, size_t bytes) {
+    for (size_t c = 0; c < bytes; c += 64) __builtin_prefetch(at + PREFETCH_AHEAD + c);
+}
+
 /* Repack codes [n][k] (uint8 0..15) and scales, zeros [k / gs][n] (bf16) into the layout.
    Columns past n (the last tile's padding) get code 8, scale 0 and zero 0. */
 void int4_repack(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t n,
@@ -117,6 +128,7 @@ static inline __attribute__((always_inline)) void f32_rows(const uint8_t *tile, 
     for (int r = 0; r < R; r++) acc[r] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *src = tile + g * group_bytes(gs);
+        if (!half) prefetch_ahead(src, group_bytes(gs)); /* once a tile */
         const vf s = load_bf16((const uint16_t *)src + half * VW);
         const vf m = load_bf16((const uint16_t *)(src + 32) + half * VW) - 8.0f * s;
         for (int64_t i = 0; i < gs / 8; i++) {
@@ -143,6 +155,7 @@ static inline __attribute__((always_inline)) void i8_rows(const uint8_t *tile, i
     for (int r = 0; r < R; r++) acc[r] = (vf){0};
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *src = tile + g * group_bytes(gs);
+        if (!half) prefetch_ahead(src, group_bytes(gs)); /* once a tile */
         const vf s = load_bf16((const uint16_t *)src + half * VW);
         const vf m = load_bf16((const uint16_t *)(src + 32) + half * VW) - 8.0f * s;
         for (int64_t b0 = 0; b0 < gs / XB; b0++) {
