@@ -114,6 +114,8 @@ def ours(args: argparse.Namespace, speculative: str) -> Server:
         log = args.log_dir / f"bench-speculation-ours-{speculative}.log"
         extra = ["--threads", str(args.threads), "--speculative", speculative,
                  "--max-batch-size", str(max(c, 16))]  # fmt: skip
+        if speculative != "off" and args.num_speculative_tokens:
+            extra += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
         if args.batch_invariant:  # a row's tokens the same in any batch: texts comparable at C>1
             extra += ["--batch-invariant", "true"]
         with local_server(str(args.model_dir), MODEL, log, extra=extra) as server:
@@ -202,6 +204,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--speculative", default="suffix", choices=("ngram", "suffix"))
+    parser.add_argument("--num-speculative-tokens", type=int, default=0,
+                        help="ours on: draft tokens at most (0: its default)")  # fmt: skip
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--batch-invariant", action="store_true",
                         help="both of our servers with --batch-invariant")  # fmt: skip

@@ -14,7 +14,7 @@ would have produced. Drafts come from the request's own text or recent answers:
 
 Draft length adapts per row: a proposer drafts as far as the matched continuation goes (up to
 --num-speculative-tokens), and `Policy` keeps a row's drafts while each, as likely as drafts of
-its kind (`Acceptance`: source, matched length, a copy under way) have been accepted, adds
+its kind (`Acceptance`: its source and how long a context matched) have been accepted, adds
 tokens faster than the step makes them: what a step costs is measured on the steps themselves,
 so under load (many rows, where an extra token a row is no longer nearly free) and on text with
 nothing to copy speculation switches itself off.
@@ -105,13 +105,13 @@ class ContextIndex:
 class Acceptance:
     """How likely drafts of each kind are to be accepted, learnt from the drafts verified: per
     kind (where they came from, how long a context matched: a span found at its 8th token of
-    context is copied on, one matched on a single token is a guess; and whether the row's last
-    drafts were all accepted: a copy under way), the chance that a row's first draft is
-    accepted, and that a later one is, given those before it were. Replayed over this
-    project's prompts (load/speculation/, every kind in turn): the row's own text matched on 8
-    tokens during a copy 0.97 and 0.98, on 4-7 tokens 0.80 and 0.84, on one token 0.34 and 0.66;
-    recent answers matched on one token 0.20. Shared by every row, recent drafts weighing most,
-    so what a workload copies (and what it does not: free chat) carries to its next rows."""
+    context is copied on, one matched on a single token is a guess), the chance that a row's
+    first draft is accepted, and that a later one is, given those before it were. Replayed over
+    this project's prompts (load/speculation/, every kind in turn; first, later): the row's own
+    text matched on 8 tokens 0.96, 0.98; on 4-7 tokens 0.77, 0.88; on one token 0.41, 0.56;
+    recent answers matched on 8 tokens 0.77, 0.78, on one token 0.13. Shared by every row,
+    recent drafts weighing most, so what a workload copies (and what it does not: free chat)
+    carries to its next rows."""
 
     def __init__(self, prior: float = 0.5, weight: float = 2.0, decay: float = 0.98) -> None:
         self.prior, self.weight, self.decay = prior, weight, decay
@@ -146,7 +146,6 @@ class RowSpeculation:
     indexed: int = 0  # tokens of prompt + output indexed so far
     drafts: list[int] = field(default_factory=list)  # this step's, verified by the step loop
     kind: object = None  # where this step's drafts came from (Acceptance's key)
-    copying: bool = False  # whether its last drafts verified were all accepted
 
     @property
     def chances(self) -> tuple[float, float]:
@@ -157,7 +156,6 @@ class RowSpeculation:
     def observe(self, proposed: int, accepted: int) -> None:
         if proposed:
             self.rates.observe(self.kind, proposed, accepted)
-            self.copying = accepted == proposed
 
 
 class Proposer:
@@ -187,7 +185,7 @@ class Proposer:
         best: list[int] = []
         best_score: tuple[float, int] = (-1.0, 0)
         for source, drafts, matched in found:
-            kind = (source, self._length_class(matched), state.copying)
+            kind = (source, self._length_class(matched))
             score = (self.rates.chances(kind)[0], matched)  # of equal chances, the longer
             if drafts and score > best_score:  # of equals, the row's own
                 best, best_score, state.kind = drafts, score, kind
