@@ -294,15 +294,15 @@ class Policy:
         if not gains:
             return granted
         tokens, seconds, extra = float(rows), self.plain(rows), self.per_draft(rows)
-        first = self.first_draft(rows)  # what the step's first draft costs more
+        fixed = self.first_draft(rows)  # what the step's first draft costs more
         for gain, i in gains:
-            cost = extra + first
+            cost = extra + fixed
             if gain * seconds <= self.margin * cost * tokens:
                 break  # this draft (and every later one) slows the step's tokens per second
             granted[i] += 1
             tokens += gain
             seconds += cost
-            first = 0.0
+            fixed = 0.0
         if not any(granted):
             self._declined += 1
             if self._declined >= self.explore_every:  # measure again what a draft costs
