@@ -206,15 +206,20 @@ static inline void quantize_rows(const uint16_t *x, int64_t rows, int64_t k, uin
     }
 
 /* Rows sharing one pass over the weights: what the registers hold (fp32: RB accumulators and
-   the dequantized vector; int8: RB int32 dot products beside them). */
+   the dequantized vector; int8: RB int32 dot products beside them). AVX-512's 32 registers
+   hold 12 int8 rows: a step's row and 8 drafts verified in one pass, not 8 + 1 (a second pass
+   over the weights for one row). Measured, Xeon family 6 model 167, 1 thread, 9 rows: a
+   1536x576 int4 matmul from memory 84.5 -> 71.6 us, lm_head 49152x576 int8 1852 -> 1655 us;
+   8 rows and fewer unchanged, 16 rows (12 + 4) 127 -> 121 us. */
 #define CASES_1_4(CASE) CASE(1) CASE(2) CASE(3) CASE(4)
 #define CASES_5_8(CASE) CASE(5) CASE(6) CASE(7) CASE(8)
-#define CASES_9_16(CASE) CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#define CASES_9_12(CASE) CASE(9) CASE(10) CASE(11) CASE(12)
+#define CASES_9_16(CASE) CASES_9_12(CASE) CASE(13) CASE(14) CASE(15) CASE(16)
 #if VW == 16
 #define RB_F32 16
-#define RB_I8 8
+#define RB_I8 12
 #define ROW_CASES_F32(CASE) CASES_1_4(CASE) CASES_5_8(CASE) CASES_9_16(CASE)
-#define ROW_CASES_I8(CASE) CASES_1_4(CASE) CASES_5_8(CASE)
+#define ROW_CASES_I8(CASE) CASES_1_4(CASE) CASES_5_8(CASE) CASES_9_12(CASE)
 #else
 #define RB_F32 8
 #define RB_I8 4
