@@ -159,13 +159,14 @@ llama-cpp-avx2: $(LLAMA_BIN)/llama-server
 # load/RESULTS.md). SHAPE=smollm2-1.7b (llama-3.2-1b, qwen2.5-1.5b): at a real model's size,
 # random weights, ours against llama.cpp's Q4_0 and Q4_1 of the same weights, C=1 and 8, no vLLM.
 # WORKLOAD=speculation: the four request kinds of load/bench_speculation.py, ours with and
-# without speculative decoding against llama.cpp's --spec-type settings, C=1 and 16, no vLLM.
+# without speculative decoding (three rounds: the median ratio) against llama.cpp's --spec-type
+# settings, C=1 and 16, no vLLM.
 SHAPE ?=
 WORKLOAD ?=
 bench-peers: install-dev model llama-cpp $(if $(SHAPE)$(WORKLOAD),,vllm)
 ifeq ($(WORKLOAD),speculation)
 	$(BIN)/python -m load.bench_speculation --llama-server $(LLAMA_BIN)/llama-server \
-		--threads $(PEER_THREADS)
+		--threads $(PEER_THREADS) --rounds 3
 else
 	$(BIN)/python -m load.bench_peers --vllm-python $(VLLM_VENV)/bin/python \
 		--llama-server $(LLAMA_BIN)/llama-server --llama-bench $(LLAMA_BIN)/llama-bench \

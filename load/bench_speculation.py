@@ -10,6 +10,12 @@ OpenAI chat completions at once (C=1: the kind's prompts one after another), `ma
 and counts the completion tokens the servers report over the level's wall time. Every server is
 restarted for each level (nothing learned from one level helps the next). Ours also reports its
 drafts' acceptance (from /metrics) and whether its texts equal those without speculation.
+
+Two of our servers measured a minute apart differ by ~5-10% on a shared machine (a plain
+decode step reads memory, a drafted one computes: a neighbour's memory traffic slows the
+first more). `--rounds N` measures ours off and on N times, in alternating order, each time
+on fresh servers, and reports the median of each round's ratio with its range; llama.cpp's
+servers are measured once.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
@@ -62,7 +69,8 @@ class Level:
 class Server:
     name: str
     start: Any  # (concurrency) -> context manager yielding a base URL
-    results: dict[tuple[str, int], Level] = field(default_factory=dict)
+    results: dict[tuple[str, int], Level] = field(default_factory=dict)  # the first round's
+    rounds: dict[tuple[str, int], list[Level]] = field(default_factory=dict)  # every round's
 
 
 async def complete(
@@ -156,7 +164,8 @@ def measure(server: Server, args: argparse.Namespace) -> None:
         with context as url:
             for kind in args.kinds:
                 result = asyncio.run(level(url, kind, c, args.max_tokens))
-                server.results[(kind, c)] = result
+                server.results.setdefault((kind, c), result)
+                server.rounds.setdefault((kind, c), []).append(result)
                 extra = ""
                 if result.drafts:
                     extra = f", acceptance {result.accepted / result.drafts:.2f}"
@@ -167,8 +176,11 @@ def measure(server: Server, args: argparse.Namespace) -> None:
 def report(servers: list[Server], args: argparse.Namespace) -> list[str]:
     off, on, *peers = servers
     peer_heads = "".join(f" {p.name} tok/s |" for p in peers)
+    rounds = max((len(levels) for levels in on.rounds.values()), default=1)
+    median = f"; ours: median of {rounds} rounds (range), acceptance and texts of the first"
     lines = [
-        f"CPU: {cpu_model()}; {args.threads} thread(s) each; max_tokens {args.max_tokens}, greedy",
+        f"CPU: {cpu_model()}; {args.threads} thread(s) each; max_tokens {args.max_tokens}, greedy"
+        + (median if rounds > 1 else ""),
         "",
         "| kind | C | ours off tok/s | ours on tok/s | on / off | acceptance | same text |"
         + peer_heads
@@ -180,13 +192,20 @@ def report(servers: list[Server], args: argparse.Namespace) -> list[str]:
             a, b = off.results[(kind, c)], on.results[(kind, c)]
             same = sum(x == y for x, y in zip(a.texts, b.texts, strict=True))
             acceptance = f"{b.accepted / b.drafts:.2f}" if b.drafts else "no drafts"
+            offs, ons = off.rounds.get((kind, c), [a]), on.rounds.get((kind, c), [b])
+            pairs = list(zip(offs, ons, strict=True))
+            ratios = sorted(y.tokens_per_second / x.tokens_per_second for x, y in pairs)
+            ratio = f"{statistics.median(ratios):.2f}x"
+            if len(ratios) > 1:
+                ratio += f" ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+            speeds = [statistics.median(level.tokens_per_second for level in levels)
+                      for levels in (offs, ons)]  # fmt: skip
             cells = "".join(f" {p.results[(kind, c)].tokens_per_second:.1f} |" for p in peers)
             if peers:
                 best = max(p.results[(kind, c)].tokens_per_second for p in peers)
-                cells += f" {b.tokens_per_second / best:.2f}x |"
+                cells += f" {speeds[1] / best:.2f}x |"
             lines.append(
-                f"| {kind} | {c} | {a.tokens_per_second:.1f} | {b.tokens_per_second:.1f} | "
-                f"{b.tokens_per_second / a.tokens_per_second:.2f}x | {acceptance} | "
+                f"| {kind} | {c} | {speeds[0]:.1f} | {speeds[1]:.1f} | {ratio} | {acceptance} | "
                 f"{same}/{len(a.texts)} |{cells}"
             )
     return lines
@@ -207,6 +226,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-speculative-tokens", type=int, default=0,
                         help="ours on: draft tokens at most (0: its default)")  # fmt: skip
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="ours off and on, this many times in alternating order")  # fmt: skip
     parser.add_argument("--batch-invariant", action="store_true",
                         help="both of our servers with --batch-invariant")  # fmt: skip
     return parser.parse_args()
@@ -215,10 +236,13 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     servers = [ours(args, "off"), ours(args, args.speculative)]
+    for n in range(args.rounds):  # off, on; on, off; ...: a drift weighs on both alike
+        for server in servers if n % 2 == 0 else servers[::-1]:
+            measure(server, args)
     if args.llama_server:
         servers += [llama(args, spec) for spec in args.llama_spec_types]
-    for server in servers:
-        measure(server, args)
+        for server in servers[2:]:
+            measure(server, args)
     print("\n".join(report(servers, args)))
 
 

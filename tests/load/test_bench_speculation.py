@@ -1,5 +1,5 @@
-"""load/bench_speculation.py without servers: every kind's prompts load, and the report's table
-has one cell per column with and without llama.cpp beside us."""
+"""load/bench_speculation.py without servers: every kind's prompts load, the report's table has
+one cell per column with and without llama.cpp beside us, and rounds report their median."""
 
 from __future__ import annotations
 
@@ -28,3 +28,17 @@ def test_the_table_has_a_cell_per_column(peers: int) -> None:
     assert header.count("|") == rule.count("|") == row.count("|")
     assert "| 2.00x | 0.75 | 1/2 |" in row
     assert row.endswith("| 5.0 | 8.0 | 2.50x |" if peers else "| 1/2 |")
+
+
+def test_rounds_report_the_median_ratio_and_its_range() -> None:
+    off, on = Server("off", None), Server("on", None)
+    for server, speeds in ((off, [10.0, 12.0, 8.0]), (on, [20.0, 30.0, 12.0])):
+        for speed in speeds:
+            level = Level(speed, ["a"], 4, 3)
+            server.results.setdefault(("chat", 1), level)
+            server.rounds.setdefault(("chat", 1), []).append(level)
+    args = argparse.Namespace(threads=1, max_tokens=16, kinds=["chat"], concurrency=[1])
+    lines = report([off, on], args)
+    assert "median of 3 rounds" in lines[0]
+    # ratios 2.00, 2.50, 1.50; speeds are each server's median
+    assert lines[-1] == "| chat | 1 | 10.0 | 20.0 | 2.00x (1.50-2.50) | 0.75 | 1/1 |"
