@@ -7,28 +7,31 @@ prompt chunk is bound by arithmetic. So nothing here is a constant: every candid
 the model's own weights (all layers of a shape at few rows, where a step is bound by reading
 them and cache residency matters; a few layers at many rows) at the first row count of each
 bucket, and the fastest serves the bucket. A pass over all buckets takes a few seconds; its
-choices are cached on disk, keyed by the CPU model and flags, torch's version, the threads, the
-model's shapes, the candidates and the C kernel's source, so a restart on the same machine reads
-them back and a different machine (or torch, or model) measures again.
+choices are cached on disk (autotune_cache.py), keyed by the CPU model and flags, torch's
+version, the threads, the model's shapes, the candidates and the C kernel's source, so a restart
+on the same machine reads them back and a different machine (or torch, or model) measures again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from predictor.engine.runners import native
+from predictor.engine.runners.autotune_cache import (
+    Choices,
+    cache_key,
+    cpu_identity,
+    read_cache,
+    source_digest,
+    write_cache,
+)
 from predictor.engine.runners.head_linear import head_candidates
 from predictor.engine.runners.int4_linear import Int4Linear, Kernel
 from predictor.engine.runners.invariance import ROWWISE, row_invariant, rowwise
@@ -57,41 +60,12 @@ COPIES = ("prepacked_bf16", "fp32", "int8_")  # names, or prefixes of names
 COPY_MARGIN = 1.15
 
 
-@dataclass
-class Choices:
-    """Per matmul ("qkv 960x576/32 x30", "lm_head 49152x576"): the kernel of each bucket, and
-    what each candidate measured (ms a pass over the layers timed)."""
-
-    plans: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
-    figures: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    source: str = "measured"  # or "cache <file>", or "forced"
-
-
-def cpu_identity() -> dict[str, Any]:
-    return {
-        "cpu": native.cpu_model(),
-        "flags": sorted(native.cpu_flags()),
-        "torch": torch.__version__,
-    }
-
-
 def _groups(linears: Sequence[Int4Linear], names: Sequence[str]) -> dict[str, list[Int4Linear]]:
     grouped: dict[str, list[Int4Linear]] = {}
     for layer, name in zip(linears, names, strict=True):
         n, k, g = layer.shape
         grouped.setdefault(f"{name} {n}x{k}/{g}", []).append(layer)
     return {f"{key} x{len(group)}": group for key, group in grouped.items()}
-
-
-def cache_key(identity: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-
-
-def _source_digest() -> str:
-    # the matmuls' sources and the header their tile driver and vector mappings live in
-    files = (native.INT4_SOURCE, native.INT8_SOURCE, native.HEADER)
-    sources = b"".join(path.read_bytes() for path in files)
-    return hashlib.sha256(sources).hexdigest()[:16]
 
 
 def tune(
@@ -130,15 +104,15 @@ def tune(
             key: _with_rowwise(group[0].candidates(), invariant) for key, group in groups.items()
         },  # fmt: skip
         "head": [head_name, str(getattr(weight, "dtype", "")), sorted(heads)],
-        "source": _source_digest(),
+        "source": source_digest(),
     }
     key = cache_key(identity)
-    cached = _read_cache(cache_dir, key, identity)
+    cached = read_cache(cache_dir, key, identity)
     if cached is not None:
         choices = cached
     else:
         choices = _measure(groups, heads, head_name, forced, invariant)
-        _write_cache(cache_dir, key, identity, choices)
+        write_cache(cache_dir, key, identity, choices)
     defer = defer_copies and not invariant
     deferred: list[Deferred] = []
     for name, group in groups.items():
@@ -365,55 +339,6 @@ def log_choices(choices: Choices, threads: int) -> None:
             ranked = sorted(timed.items(), key=lambda item: item[1])
             figures = ", ".join(f"{kernel} {ms:.3f}" for kernel, ms in ranked)
             logger.info("autotune %s at %s rows (ms a pass): %s", name, count, figures)
-
-
-def _cache_file(cache_dir: Path, key: str) -> Path:
-    return cache_dir / f"autotune-{key[:24]}.json"
-
-
-def _read_cache(cache_dir: Path | None, key: str, identity: dict[str, Any]) -> Choices | None:
-    if cache_dir is None:
-        return None
-    path = _cache_file(cache_dir, key)
-    try:
-        data = json.loads(path.read_text())
-        if data.get("identity") != json.loads(json.dumps(identity)):
-            raise ValueError("made for another machine, torch or model")
-        plans = {
-            name: [(int(rows), str(kernel)) for rows, kernel in plan]
-            for name, plan in data["plans"].items()
-        }
-        wanted = set(identity["groups"]) | {identity["head"][0]}
-        if set(plans) != wanted or any(not plan or plan[0][0] != 1 for plan in plans.values()):
-            raise ValueError("its plans do not cover this model")
-        for name, plan in plans.items():
-            allowed = identity["groups"].get(name) or identity["head"][2]
-            if name in identity["groups"] and identity["forced"] != "auto":
-                allowed = [identity["forced"]]
-            if any(kernel not in allowed for _, kernel in plan):
-                raise ValueError(f"{name} names a kernel not available here")
-        return Choices(plans, data.get("figures", {}), source=f"cache {path}")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        logger.info("autotune cache %s not used (%s): measuring again", path, error)
-        return None
-
-
-def _write_cache(
-    cache_dir: Path | None, key: str, identity: dict[str, Any], choices: Choices
-) -> None:
-    if cache_dir is None:
-        return
-    path = _cache_file(cache_dir, key)
-    data = {"identity": identity, "plans": choices.plans, "figures": choices.figures}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(f.name, path)  # whole or not at all, even with two servers starting at once
-    except OSError as error:
-        logger.warning("autotune cache %s not written: %s", path, error)
 
 
 def _head_name(head: Any) -> str:
