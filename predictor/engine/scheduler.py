@@ -24,6 +24,7 @@ Thread-safety: adapters add requests from the event loop thread (`add`, `add_all
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -310,13 +311,14 @@ class Scheduler:
         limit = proposer.config.max_tokens
         spare = max(0, budget - len(decoding))
         candidates, offers = [], []
+        useful = functools.partial(policy.useful, len(decoding))  # what drafting could pay
         for request in decoding:
             state = request.speculation
             left = request.params.max_tokens - len(request.output_ids) - 1
             if state is None or left <= 0 or spare <= 0:
                 continue
             tokens = request.prompt_ids + request.output_ids
-            proposed = proposer.propose(state, tokens, request.cache_salt, min(limit, left))
+            proposed = proposer.propose(state, tokens, request.cache_salt, min(limit, left), useful)
             proposed = proposed[: self._room(request, len(proposed))]
             if proposed:
                 candidates.append((request, proposed))

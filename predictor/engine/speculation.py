@@ -10,7 +10,11 @@ would have produced. Drafts come from the request's own text or recent answers:
 - `suffix` (SuffixDecoding's idea, bounded): the same over the request's own tokens and over a
   bounded global index of recent requests' answers, one per `cache_salt` so tenants never draft
   from each other's text (the continuation most often seen after the longest matching context);
-  of the two, the one whose kind of match has been accepted more often.
+  and the salt's last few answers followed in order (`Following`: where answers share a shape,
+  a JSON object's fields, a tool call's arguments, the field after this one is the one that
+  came next in the last answer, which neither the latest nor the most frequent continuation
+  of a short context such as `", "` knows); of these, the one whose kind of match has been
+  accepted most often.
 
 Draft length adapts per row: a proposer drafts as far as the matched continuation goes (up to
 --num-speculative-tokens), and `Policy` keeps a row's drafts while each, as likely as drafts of
@@ -27,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from predictor.engine.recent_answers import ANSWER_LENGTH, Answer, Following, RecentAnswers
+
 
 @dataclass(frozen=True)
 class SpeculationConfig:
@@ -35,6 +41,8 @@ class SpeculationConfig:
     min_n: int = 1  # shortest context that may match (Acceptance weighs what each is worth)
     max_n: int = 8  # longest context matched
     global_entries: int = 100_000  # contexts the global index holds (all salts), LRU beyond
+    answers: int = 3  # recent answers a row follows in order, per salt (`suffix`)
+    answer_tokens: int = 16_384  # tokens those answers hold (all salts), the oldest dropped
 
 
 class ContextIndex:
@@ -69,37 +77,61 @@ class ContextIndex:
                 self._next.popitem(last=False)
 
     def _longest(
-        self, context: Sequence[int], shortest: int, scope: tuple[object, ...]
-    ) -> dict[int, int] | None:
-        """The next-token counts of the longest context ending `context` (at least
-        `shortest` tokens long) that was seen."""
-        for n in range(min(len(context), self.max_n), shortest - 1, -1):
+        self, context: Sequence[int], shortest: int, longest: int, scope: tuple[object, ...]
+    ) -> tuple[dict[int, int] | None, int]:
+        """The next-token counts of the longest context ending `context`, `shortest` to
+        `longest` tokens long, that was seen, and its length."""
+        for n in range(min(len(context), longest), shortest - 1, -1):
             counts = self._next.get((*scope, *context[-n:]))
             if counts:
-                return counts
-        return None
+                return counts, n
+        return None, 0
+
+    def match(self, tokens: Sequence[int], shortest: int, scope: tuple[object, ...] = ()) -> int:
+        """The length of the longest end of `tokens` (`shortest` to max_n tokens) seen as a
+        context, 0 if none: `add` files every shorter end of a context too, so a binary
+        search finds it."""
+        low, high = shortest - 1, min(self.max_n, len(tokens))  # low: seen (or too short)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if (*scope, *tokens[-middle:]) in self._next:
+                low = middle
+            else:
+                high = middle - 1
+        return low if low >= shortest else 0
 
     def propose(
         self, tokens: Sequence[int], k: int, min_n: int, scope: tuple[object, ...] = ()
     ) -> tuple[list[int], int]:
         """Up to k tokens continuing `tokens`, and the length of the context that matched."""
-        matched = 0
-        for n in range(min(self.max_n, len(tokens)), min_n - 1, -1):
-            if (*scope, *tokens[-n:]) in self._next:
-                matched = n
-                break
+        matched = self.match(tokens, min_n, scope)
+        return self.continuation(tokens, matched, k, min_n, scope), matched
+
+    def continuation(
+        self,
+        tokens: Sequence[int],
+        matched: int,
+        k: int,
+        min_n: int,
+        scope: tuple[object, ...] = (),
+    ) -> list[int]:
+        """Up to k tokens continuing `tokens`, whose last `matched` tokens (`match`) were seen
+        as a context."""
         if not matched:
-            return [], 0
+            return []
         context = list(tokens[-matched:])
         drafts: list[int] = []
+        length = matched - 1
         while len(drafts) < k:
-            counts = self._longest(context, min(min_n, len(context)), scope)
+            # a context of n + 1 tokens seen means its first n were seen before its last: at
+            # most one token longer than the last draft's
+            counts, length = self._longest(context, min(min_n, len(context)), length + 1, scope)
             if not counts:
                 break
             token = max(reversed(counts), key=counts.__getitem__)  # ties: the latest
             drafts.append(token)
             context.append(token)
-        return drafts, matched
+        return drafts
 
 
 class Acceptance:
@@ -146,6 +178,7 @@ class RowSpeculation:
     indexed: int = 0  # tokens of prompt + output indexed so far
     drafts: list[int] = field(default_factory=list)  # this step's, verified by the step loop
     kind: object = None  # where this step's drafts came from (Acceptance's key)
+    following: list[Following] | None = None  # its salt's recent answers when it began
 
     @property
     def chances(self) -> tuple[float, float]:
@@ -160,36 +193,63 @@ class RowSpeculation:
 
 class Proposer:
     """Draft tokens for a row, from its own text (and, in `suffix` mode, recent answers): of
-    the two continuations found, the one whose kind of match is the more often accepted."""
+    the continuations found, the one whose kind of match is the most often accepted."""
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config
         # recent answers of every tenant, filed under its salt: bounded as a whole
         self._global = ContextIndex(config.max_n, config.global_entries)
         self.rates = Acceptance()
+        self._answers = RecentAnswers(config.answers, config.answer_tokens)
 
     def state(self) -> RowSpeculation:
         return RowSpeculation(ContextIndex(self.config.max_n), self.rates)
 
     def propose(
-        self, state: RowSpeculation, tokens: Sequence[int], salt: str | None, limit: int
+        self,
+        state: RowSpeculation,
+        tokens: Sequence[int],
+        salt: str | None,
+        limit: int,
+        useful: Callable[[float, float], int] | None = None,
     ) -> list[int]:
-        """Up to `limit` drafts continuing `tokens` (the row's prompt + output so far)."""
+        """Up to `limit` drafts continuing `tokens` (the row's prompt + output so far); no
+        more than `useful` says could be granted to drafts as likely as this kind's (its
+        chances of a first and a later draft accepted; `Policy.useful`): the drafting is what
+        costs, most rows at a busy step are granted none."""
         config = self.config
         # the row's own index holds every context that ends before its last token
         state.own.add(tokens[: len(tokens) - 1], state.indexed)
         state.indexed = max(state.indexed, len(tokens) - 1)
-        found = [("own", *state.own.propose(tokens, limit, config.min_n))]
+        found = [("own", state.own.match(tokens, config.min_n))]
+        answer: list[int] = []  # the drafts of the answer followed that matched longest
+        scope = (salt,)
         if config.mode == "suffix":
-            found.append(("global", *self._global.propose(tokens, limit, config.min_n, (salt,))))
-        best: list[int] = []
-        best_score: tuple[float, int] = (-1.0, 0)
-        for source, drafts, matched in found:
+            if state.following is None:
+                state.following = [Following(recent) for recent in self._answers.of(salt)]
+            longest = 0
+            for following in state.following:  # the latest first: of equals, it drafts
+                drafts, length = following.propose(tokens, limit, config.min_n)
+                if drafts and length > longest:
+                    answer, longest = drafts, length
+            found.append(("answer", longest))
+            found.append(("global", self._global.match(tokens, config.min_n, scope)))
+        best, best_score = "", (-1.0, 0)
+        for source, matched in found:  # a context matched has a continuation
             kind = (source, self._length_class(matched))
             score = (self.rates.chances(kind)[0], matched)  # of equal chances, the longer
-            if drafts and score > best_score:  # of equals, the row's own
-                best, best_score, state.kind = drafts, score, kind
-        return best
+            if matched and score > best_score:  # of equals, the row's own
+                best, best_score, state.kind = source, score, kind
+        if not best:
+            return []
+        if useful is not None:
+            limit = min(limit, max(1, useful(*self.rates.chances(state.kind))))
+        matched = best_score[1]
+        if best == "own":
+            return state.own.continuation(tokens, matched, limit, config.min_n)
+        if best == "answer":
+            return answer[:limit]
+        return self._global.continuation(tokens, matched, limit, config.min_n, scope)
 
     def _length_class(self, matched: int) -> int:
         """The matched context's length as Acceptance files it: 1, 2, 3, 4 (4 up to max_n - 1)
@@ -200,6 +260,9 @@ class Proposer:
         """Remember a finished request's answer for other requests of the same salt."""
         if self.config.mode == "suffix":
             self._global.add(tokens, max(1, prompt_length), (salt,))
+            lead = max(0, prompt_length - self.config.max_n)  # the answer's first context
+            end = prompt_length + ANSWER_LENGTH
+            self._answers.add(salt, Answer(tokens[lead:end], self.config.max_n))
 
 
 # (fed tokens, logit rows) -> seconds of a step's matmuls as measured (None: not measured)
@@ -228,6 +291,8 @@ class Policy:
     def __init__(
         self, cost: StepCost | None, margin: float = 1.05, explore_every: int = 64
     ) -> None:
+        if margin < 1.0:  # `useful` bounds what `choose` grants only with margin >= 1
+            raise ValueError(f"margin must be at least 1, not {margin}")
         self._prior = cost
         self.margin = margin  # a draft must add tokens this much faster than the step's rate
         self.explore_every = explore_every
@@ -278,6 +343,21 @@ class Policy:
         """Seconds a step of `rows` rows with any drafts costs on top of its drafts' own (the
         verification's fixed work), as measured at that many rows (else 0)."""
         return self._first.get(rows, 0.0)
+
+    def useful(self, rows: int, first: float, later: float) -> int:
+        """How many drafts of a row, its first accepted with chance `first` and each later
+        one with `later`, `choose` could grant at most at `rows` rows: a draft is granted only
+        while its gain beats the step's rate times the margin, and each granted draft raises
+        that rate (the margin is at least 1). 1 until a plain step of so many rows is
+        measured."""
+        if rows not in self._plain:
+            return 1
+        least = self.margin * self.per_draft(rows) * rows / self.plain(rows)
+        count, gain = 0, first
+        while gain > least and count < 64:
+            count += 1
+            gain *= later
+        return count
 
     def choose(self, rows: int, offers: Sequence[tuple[int, float, float]]) -> list[int]:
         """`offers`: per candidate row, (drafts it has, the chance its first is accepted, and

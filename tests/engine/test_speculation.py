@@ -36,7 +36,9 @@ class Corrupting(Proposer):
 
     calls = 0
 
-    def propose(self, state: Any, tokens: Any, salt: str | None, limit: int) -> list[int]:
+    def propose(
+        self, state: Any, tokens: Any, salt: str | None, limit: int, useful: Any = None
+    ) -> list[int]:
         drafts = self.found(state, tokens, salt, limit)
         self.calls += 1
         turn = self.calls % 3
@@ -126,6 +128,27 @@ def test_many_salts_share_one_bound() -> None:
     assert proposer.propose(proposer.state(), asking, "salt-198", 2) == []
 
 
+def test_a_row_follows_a_recent_answer_in_order() -> None:
+    """Answers of one shape (JSON fields: key, `": "`, a value, `", "`): after this row's own
+    value, the field that came next in the last answer is drafted, where the index of answers
+    offers the latest field seen after `", "`, whichever it was."""
+    key, colon, comma = {"name": 31, "city": 32, "date": 33}, 7, 5
+    prompt = [1, 2, 3]
+    answer = [key["name"], colon, 100, comma, key["city"], colon, 101, comma, key["date"], 9]
+    proposer = Proposer(SpeculationConfig("suffix", 4, min_n=1))
+    proposer.finished(prompt + answer, len(prompt), "tenant")
+    state = proposer.state()
+    text = prompt + [key["name"]]
+    assert proposer.propose(state, text, "tenant", 4) == [colon, 100, comma, key["city"]]
+    text += [colon, 200]  # its own value: the answer followed up to the colon
+    proposer.propose(state, text, "tenant", 4)
+    text += [comma]
+    assert proposer.propose(state, text, "tenant", 4) == [key["city"], colon, 101, comma]
+    assert proposer._global.propose(text, 4, 1, ("tenant",))[0][0] == key["date"]  # the latest
+    other = proposer.state()  # another tenant's row follows nothing of this one's
+    assert proposer.propose(other, prompt + [key["name"]], "other", 4) == []
+
+
 def test_policy_grants_drafts_while_they_add_tokens_faster_than_the_step() -> None:
     # the runner's matmul figures: 10 ms a step, 0.2 ms per token fed
     policy = Policy(lambda fed, rows: 0.010 + 0.0002 * fed, explore_every=1000)
@@ -201,6 +224,29 @@ def test_drafts_are_as_likely_as_their_kind_of_match_was_accepted() -> None:
     assert min(later.chances) > 0.9
 
 
+def test_rows_draft_no_further_than_the_policy_could_grant() -> None:
+    """`Policy.useful` bounds what `choose` grants a row of such chances (so the proposer need
+    not draft further: drafting is what a busy step's rows pay for, mostly in vain)."""
+    policy = Policy(None)
+    for rows, plain, per_draft in ((1, 0.010, 0.001), (16, 0.040, 0.004)):
+        policy.observe(rows, 0, plain)
+        for drafts in (2, 4, 8):
+            policy.observe(rows, drafts, plain + drafts * per_draft)
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = rng.choice((1, 16))
+        offers = [(8, rng.random(), rng.random()) for _ in range(rng.randint(1, rows))]
+        granted = policy.choose(rows, offers)
+        for (_, first, later), count in zip(offers, granted, strict=True):
+            assert count <= max(1, policy.useful(rows, first, later))  # 1: an exploration
+    assert policy.useful(1, 0.96, 0.98) > 8 and policy.useful(16, 0.3, 0.5) == 0
+    proposer = Proposer(SpeculationConfig("ngram", 4))
+    text = [1, 2, 3, 4, 9, 1, 2]
+    assert proposer.propose(proposer.state(), text, None, 4) == [3, 4, 9, 1]
+    assert proposer.propose(proposer.state(), text, None, 4, lambda first, later: 2) == [3, 4]
+    assert proposer.propose(proposer.state(), text, None, 4, lambda first, later: 0) == [3]
+
+
 def test_a_copy_once_started_goes_on() -> None:
     """The first draft of a kind may be a coin toss where the ones after it are near sure:
     both chances are learnt, and the policy grants the whole run or none of it."""
@@ -226,9 +272,10 @@ def test_the_better_kind_of_match_of_own_text_and_recent_answers_drafts() -> Non
     proposer.finished([1, 2, 3, 40, 41, 42, 43, 44], 3, None)  # an earlier answer
     state = proposer.state()
     asking = [42, 50, 41, 42]  # own text: 42 then 50 (1 token matched); answers: 41 42 43 44
-    assert proposer.propose(state, asking, None, 3) == [43, 44]  # 2 matched beat 1 (equal rates)
-    for _ in range(10):
-        state.observe(2, 0)  # the answers' kind turns out wrong here
+    for _ in range(2):  # the answer followed in order, then the index of answers
+        assert proposer.propose(state, asking, None, 3) == [43, 44]  # 2 matched beat 1
+        for _ in range(10):
+            state.observe(2, 0)  # this kind turns out wrong here
     assert proposer.propose(state, asking, None, 3) == [50, 41]  # the row's own now
 
 
