@@ -34,15 +34,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from predictor.config import MODEL_TYPES
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import (
-    TEXTS,
     QualityReport,
     evaluate,
     format_report,
-    sequence_perplexity,
-    text_ids,
     tokens_available,
 )
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
@@ -56,8 +52,8 @@ from predictor.model.recipe import (
     quantize_checkpoint,
     source_texts,
 )
-from predictor.model.served import served_perplexity
 from predictor.model.source import export_gguf_to_fp32, gguf_location
+from predictor.model.source_checks import SERVED_TOKENS, check_source, served_quality
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
 FP_NAME = "smollm2-135m-instruct-fp"
@@ -244,57 +240,6 @@ def _install(staged: Path, out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     staged.rename(out)
-
-
-def check_source(source: Path, group_size: int) -> dict[str, Any]:
-    """The source checkpoint's config.json, or SystemExit naming why it cannot be quantized:
-    read in a moment, before any weight is."""
-    config_file = source / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"--source {source}: no readable config.json ({exc})") from exc
-    model_type = str(config.get("model_type", ""))
-    if model_type not in MODEL_TYPES:
-        raise SystemExit(
-            f"--source {source}: model type {model_type!r} is not served "
-            f"(supported: {', '.join(MODEL_TYPES)})"
-        )
-    if config.get("quantization_config"):
-        method = config["quantization_config"].get("quant_method", "?")
-        raise SystemExit(f"--source {source} is already quantized ({method}): give an fp one")
-    if (
-        not (source / "tokenizer.json").is_file()
-        and not (source / "tokenizer_config.json").is_file()
-    ):
-        raise SystemExit(f"--source {source} has no tokenizer")
-    widths = {"hidden_size": config.get("hidden_size"),
-              "intermediate_size": config.get("intermediate_size")}  # fmt: skip
-    for name, width in widths.items():
-        if group_size > 0 and isinstance(width, int) and width % group_size:
-            raise SystemExit(
-                f"--group-size {group_size} does not divide {name} {width} of {source}"
-            )
-    return dict(config)
-
-
-SERVED_TOKENS = 1024  # of the test text, one context: what the served gate scores
-
-
-def served_quality(checkpoint: Path, source: Path, threads: int) -> dict[str, float]:
-    """The checkpoint's perplexity through the server (predictor.model.served: the autotune's
-    kernels) against the source's in process, on the same tokens of the test text."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    context = int(json.loads((source / "config.json").read_text()).get("max_position_embeddings")
-                  or SERVED_TOKENS)  # fmt: skip
-    count = min(SERVED_TOKENS, tokens_available(source), context // 2)
-    ids = text_ids(tokenizer, TEXTS["test"], count)
-    served = served_perplexity(checkpoint, ids, threads)
-    reference = sequence_perplexity(source, ids, threads)
-    return {"tokens": len(ids), "perplexity": served, "reference": reference,
-            "ratio": served / reference}  # fmt: skip
 
 
 def build_from_source(
