@@ -6,12 +6,15 @@
  * all of them where they lie, through the row's block table: no gather into a padded copy, no
  * mask, no work past a row's end. fp32 arithmetic on bf16 storage; compiled per model shape
  * (DIM, GROUP, BLOCK, QUERIES are -D constants) so the compiler unrolls and vectorises the
- * head_dim loops. With AVX-512, keys and values go 16 at a time through fp32 rows: the scores
- * of 16 keys are summed together and the weighted values stay in registers for 16 keys.
- * Measured, one layer of SmolLM2 (9 heads, 3 kv heads, head_dim 64), 1000 keys, Xeon model
- * 207: one query 43 -> 40 us, each more query of a row 36 -> 22 us (AVX2 build, as
- * emulate.avx2_only runs it, key by key: 87 -> 84 us, 83 -> 58 us; 16 keys at a time there,
- * each vector split in two, took twice as long).
+ * head_dim loops. With AVX-512 (AVX2), keys and values go 16 (8) at a time through fp32 rows:
+ * the scores of 16 (8) keys are summed together, the softmax numerators taken 16 (8) at a time
+ * and the weighted values stay in registers for 16 (8) keys. A query's arithmetic depends on its
+ * keys alone, so a prompt chunk's tokens attend here exactly as they would decoded one by one
+ * (the runner's determinism: model.py, `batch_invariant`). Measured, a 1280-token prompt in
+ * chunks of 256, SmolLM2's 30 layers (9 heads, 3 kv heads, head_dim 64), Xeon family 6 model
+ * 106 (AVX-512 VNNI, no BF16), 1 thread, CPU time: AVX-512 1.21-1.42 -> 1.07-1.12 s, AVX2
+ * (-march=znver1, as emulate.avx2_only builds it) 2.37-3.36 -> 1.19-1.39 s (key by key before),
+ * where torch's SDPA takes 1.22 s (1.63 s held to AVX2).
  *
  * q:       bf16 [queries][q_stride]: a query's heads first, heads * DIM values
  * pool:    bf16 [2 * kv_heads][slots][DIM]: keys of every slot for each kv head, then values
@@ -37,33 +40,64 @@ static inline void prefetch_block(const uint16_t *block) {
     for (int c = 0; c < BLOCK * DIM * 2; c += 64) __builtin_prefetch(bytes + c);
 }
 
-#if DIM % 16 == 0 && defined(__AVX512F__) && (defined(__clang__) || __GNUC__ >= 12)
-/* AVX-512: the scores 16 keys at a time, each key's 16-lane partial products with a query
-   head, then the 16 keys' partials summed together (a transpose as it adds: 15 adds and 30
-   shuffles for 16 sums, where summing each across its lanes takes 4 shuffles and 4 adds). */
-typedef float vf16 __attribute__((vector_size(64)));
+#if (defined(__clang__) || __GNUC__ >= 12) &&                                                  \
+    ((DIM % 16 == 0 && defined(__AVX512F__)) || (DIM % 8 == 0 && defined(__AVX2__) && defined(__FMA__)))
+/* Vectors of W lanes (16: AVX-512; 8: AVX2): the scores W keys at a time, each key's W-lane
+   partial products with a query head, then the W keys' partials summed together (a transpose
+   as it adds: W - 1 adds and 2 (W - 1) shuffles for W sums, where summing each across its lanes
+   takes log2 W shuffles and adds); the softmax numerators and their sum W at a time (the sum's
+   lanes added in one fixed tree); the values weighed W keys at a time. A query's arithmetic is
+   fixed by its keys alone: the same in a decode step, a row's drafts or any prompt chunk. */
+#include <immintrin.h>
+#if DIM % 16 == 0 && defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+typedef float vfw __attribute__((vector_size(W * 4)));
+typedef int32_t viw __attribute__((vector_size(W * 4)));
 
-static inline vf16 load16(const float *p) {
-    vf16 v;
+static inline vfw loadw(const float *p) {
+    vfw v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-/* rows[j]: slot l0 + j's key (or value) in fp32, for j < n; 0 past them */
-static inline void load_rows(float rows[16][DIM], const uint16_t *pool, const int64_t *table,
-                             int64_t l0, int n, int64_t longest) {
-    for (int j = 0; j < 16; j++) {
-        const int64_t l = l0 + j;
-        if (j < n && l % BLOCK == 0 && l + BLOCK < longest)
-            prefetch_block(pool + table[l / BLOCK + 1] * BLOCK * DIM);
-        const uint16_t *src = pool + (table[(j < n ? l : l0) / BLOCK] * BLOCK + l % BLOCK) * DIM;
-        for (int i = 0; i < DIM; i++) rows[j][i] = j < n ? from_bf16(src[i]) : 0.0f;
-    }
+static inline vfw splatw(float x) { return (vfw){} + x; }
+
+#if W == 16
+static inline vfw maxw(vfw a, vfw b) { return (vfw)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline vfw roundw(vfw x) { /* to nearest, ties to even */
+    return (vfw)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#else
+static inline vfw maxw(vfw a, vfw b) { return (vfw)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline vfw roundw(vfw x) {
+    return (vfw)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+#endif
+
+/* exp_approx (native_common.h) lane by lane, x <= 0: the same polynomial, the exponent's
+   integer rounded to even */
+static inline vfw expw(vfw x) {
+    x = maxw(x, splatw(-87.0f));
+    const vfw n = roundw(x * 1.44269504088896341f);
+    const vfw r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+    vfw p = splatw(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const viw e = (__builtin_convertvector(n, viw) + 127) << 23;
+    return p * (vfw)e;
 }
 
 /* lane j: the sum of p[j]'s lanes */
-static inline vf16 sum_lanes16(const vf16 p[16]) {
-    vf16 x[8], y[4], z[2];
+#if W == 16
+static inline vfw sum_lanes(const vfw p[16]) {
+    vfw x[8], y[4], z[2];
     for (int i = 0; i < 8; i++) /* lanes 0-7: key 2i's partials, halved; 8-15: key 2i + 1's */
         x[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
                                        18, 19, 20, 21, 22, 23) +
@@ -84,33 +118,67 @@ static inline vf16 sum_lanes16(const vf16 p[16]) {
            __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25,
                                    27, 29, 31);
 }
+#else
+static inline vfw sum_lanes(const vfw p[8]) {
+    vfw x[4], y[2];
+    for (int i = 0; i < 4; i++) /* lanes 0-3: key 2i's partials, halved; 4-7: key 2i + 1's */
+        x[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++) /* 2 lanes a key, keys 4i..4i+3 */
+        y[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               __builtin_shufflevector(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+
+/* the sum of v's lanes, in one fixed tree */
+static inline float sum_all(vfw v) {
+    float lanes[W], sum;
+    memcpy(lanes, &v, sizeof v);
+    for (int width = W / 2; width > 0; width /= 2)
+        for (int i = 0; i < width; i++) lanes[i] += lanes[i + width];
+    sum = lanes[0];
+    return sum;
+}
+
+/* rows[j]: slot l0 + j's key (or value) in fp32, for j < n; 0 past them */
+static inline void load_rows(float rows[W][DIM], const uint16_t *pool, const int64_t *table,
+                             int64_t l0, int n, int64_t longest) {
+    for (int j = 0; j < W; j++) {
+        const int64_t l = l0 + j;
+        if (j < n && l % BLOCK == 0 && l + BLOCK < longest)
+            prefetch_block(pool + table[l / BLOCK + 1] * BLOCK * DIM);
+        const uint16_t *src = pool + (table[(j < n ? l : l0) / BLOCK] * BLOCK + l % BLOCK) * DIM;
+        for (int i = 0; i < DIM; i++) rows[j][i] = j < n ? from_bf16(src[i]) : 0.0f;
+    }
+}
 
 static void scores(float query[QUERIES][GROUP][DIM], const uint16_t *keys, const int64_t *table,
                    int64_t length, int64_t count, int64_t longest, float *scratch,
                    float best[QUERIES][GROUP]) {
-    float rows[16][DIM] __attribute__((aligned(64)));
-    vf16 top[QUERIES][GROUP]; /* the maximum of the full chunks' scores, lane by lane */
+    float rows[W][DIM] __attribute__((aligned(64)));
+    vfw top[QUERIES][GROUP]; /* the maximum of the full chunks' scores, lane by lane */
     for (int64_t t = 0; t < count; t++)
-        for (int g = 0; g < GROUP; g++) top[t][g] = (vf16){} - 3.0e38f;
-    for (int64_t l0 = 0; l0 < longest; l0 += 16) {
-        const int n = longest - l0 < 16 ? (int)(longest - l0) : 16;
+        for (int g = 0; g < GROUP; g++) top[t][g] = splatw(-3.0e38f);
+    for (int64_t l0 = 0; l0 < longest; l0 += W) {
+        const int n = longest - l0 < W ? (int)(longest - l0) : W;
         load_rows(rows, keys, table, l0, n, longest);
         for (int64_t t = l0 < length ? 0 : l0 - length + 1; t < count; t++) {
             const int valid = length + t - l0 < n ? (int)(length + t - l0) : n; /* its keys */
             for (int g = 0; g < GROUP; g++) {
-                vf16 partial[16];
-                for (int j = 0; j < 16; j++) {
-                    vf16 sum = load16(query[t][g]) * load16(rows[j]);
-                    for (int c = 16; c < DIM; c += 16)
-                        sum += load16(query[t][g] + c) * load16(rows[j] + c);
+                vfw partial[W];
+                for (int j = 0; j < W; j++) {
+                    vfw sum = loadw(query[t][g]) * loadw(rows[j]);
+                    for (int c = W; c < DIM; c += W)
+                        sum += loadw(query[t][g] + c) * loadw(rows[j] + c);
                     partial[j] = sum;
                 }
-                const vf16 s = sum_lanes16(partial);
+                const vfw s = sum_lanes(partial);
                 float *dst = scratch + (t * GROUP + g) * longest + l0;
-                if (valid == 16) { /* the usual case: all 16 at once, their maximum below */
+                if (valid == W) { /* the usual case: all W at once, their maximum below */
                     memcpy(dst, &s, sizeof s);
-                    for (int j = 0; j < 16; j++)
-                        top[t][g][j] = s[j] > top[t][g][j] ? s[j] : top[t][g][j];
+                    top[t][g] = maxw(s, top[t][g]);
                     continue;
                 }
                 for (int j = 0; j < valid; j++) {
@@ -122,27 +190,48 @@ static void scores(float query[QUERIES][GROUP][DIM], const uint16_t *keys, const
     }
     for (int64_t t = 0; t < count; t++)
         for (int g = 0; g < GROUP; g++)
-            for (int j = 0; j < 16; j++)
+            for (int j = 0; j < W; j++)
                 best[t][g] = top[t][g][j] > best[t][g] ? top[t][g][j] : best[t][g];
 }
-/* acc[t][g] += each key's softmax numerator times its value, 16 keys at a time (the sums
-   stay in registers for the 16) */
+
+/* p[0 .. keys) = exp(p - best), W at a time; their sum */
+static float numerators(float *p, int64_t keys, float best) {
+    vfw sum = splatw(0.0f);
+    int64_t l = 0;
+    for (; l + W <= keys; l += W) {
+        const vfw e = expw(loadw(p + l) - best);
+        memcpy(p + l, &e, sizeof e);
+        sum += e;
+    }
+    if (l < keys) { /* the last few, the lanes past them 0 */
+        float tail[W] = {0};
+        memcpy(tail, p + l, sizeof(float) * (size_t)(keys - l));
+        vfw e = expw(loadw(tail) - best);
+        for (int j = (int)(keys - l); j < W; j++) e[j] = 0.0f;
+        memcpy(p + l, &e, sizeof(float) * (size_t)(keys - l));
+        sum += e;
+    }
+    return sum_all(sum);
+}
+
+/* acc[t][g] += each key's softmax numerator times its value, W keys at a time (the sums
+   stay in registers for the W) */
 static void weigh_values(float acc[QUERIES][GROUP][DIM], const uint16_t *values,
                          const int64_t *table, int64_t length, int64_t count, int64_t longest,
                          const float *scratch) {
-    float rows[16][DIM] __attribute__((aligned(64)));
-    for (int64_t l0 = 0; l0 < longest; l0 += 16) {
-        const int n = longest - l0 < 16 ? (int)(longest - l0) : 16;
+    float rows[W][DIM] __attribute__((aligned(64)));
+    for (int64_t l0 = 0; l0 < longest; l0 += W) {
+        const int n = longest - l0 < W ? (int)(longest - l0) : W;
         load_rows(rows, values, table, l0, n, longest);
         for (int64_t t = l0 < length ? 0 : l0 - length + 1; t < count; t++) {
             const int valid = length + t - l0 < n ? (int)(length + t - l0) : n;
             for (int g = 0; g < GROUP; g++) {
                 const float *p = scratch + (t * GROUP + g) * longest + l0;
-                float w[16]; /* 0 past its keys: the rows there are 0 too, never stale */
-                for (int j = 0; j < 16; j++) w[j] = j < valid ? p[j] : 0.0f;
-                for (int c = 0; c < DIM; c += 16) {
-                    vf16 sum = load16(acc[t][g] + c);
-                    for (int j = 0; j < 16; j++) sum += w[j] * load16(rows[j] + c);
+                float w[W]; /* 0 past its keys: the rows there are 0 too, never stale */
+                for (int j = 0; j < W; j++) w[j] = j < valid ? p[j] : 0.0f;
+                for (int c = 0; c < DIM; c += W) {
+                    vfw sum = loadw(acc[t][g] + c);
+                    for (int j = 0; j < W; j++) sum += w[j] * loadw(rows[j] + c);
                     memcpy(acc[t][g] + c, &sum, sizeof sum);
                 }
             }
@@ -169,6 +258,14 @@ static void scores(float query[QUERIES][GROUP][DIM], const uint16_t *keys, const
                 }
         }
     }
+}
+static float numerators(float *p, int64_t keys, float best) {
+    float sum = 0.0f;
+    for (int64_t l = 0; l < keys; l++) {
+        p[l] = exp_approx(p[l] - best); /* x <= 0 */
+        sum += p[l];
+    }
+    return sum;
 }
 static void weigh_values(float acc[QUERIES][GROUP][DIM], const uint16_t *values,
                          const int64_t *table, int64_t length, int64_t count, int64_t longest,
@@ -200,7 +297,6 @@ static void attend(const uint16_t *q, int64_t q_stride, const uint16_t *pool, in
                    int64_t kv_heads, float scale, uint16_t *out, int64_t out_stride,
                    float *scratch) {
     float query[QUERIES][GROUP][DIM] __attribute__((aligned(64))), acc[QUERIES][GROUP][DIM];
-    float row[DIM];
     float best[QUERIES][GROUP], total[QUERIES][GROUP];
     const int64_t longest = length + count - 1; /* the last query's keys */
     const uint16_t *keys = pool + h * slots * DIM;
@@ -214,12 +310,7 @@ static void attend(const uint16_t *q, int64_t q_stride, const uint16_t *pool, in
     scores(query, keys, table, length, count, longest, scratch, best);
     for (int64_t t = 0; t < count; t++) /* softmax numerators and their sums */
         for (int g = 0; g < GROUP; g++) {
-            float *p = scratch + (t * GROUP + g) * longest, sum = 0.0f;
-            for (int64_t l = 0; l < length + t; l++) {
-                p[l] = exp_approx(p[l] - best[t][g]); /* x <= 0 */
-                sum += p[l];
-            }
-            total[t][g] = sum;
+            total[t][g] = numerators(scratch + (t * GROUP + g) * longest, length + t, best[t][g]);
             for (int i = 0; i < DIM; i++) acc[t][g][i] = 0.0f;
         }
     weigh_values(acc, values, table, length, count, longest, scratch);
