@@ -195,9 +195,8 @@ static inline __attribute__((always_inline)) void lora_down(
         }
 }
 
-/* o[0..16) = bf16(o + sums), rounded to nearest even as to_bf16 does, NaN kept a NaN */
-static inline void lora_store(uint16_t *o, lf16 sums) {
-    lf16 f = lora_load(o) + sums;
+/* o[0..16) = bf16(f), rounded to nearest even as to_bf16 does, NaN kept a NaN */
+static inline void lora_write(uint16_t *o, lf16 f) {
     lu16 u;
     memcpy(&u, &f, sizeof u);
     const lu16 nan = (lu16)((u & 0x7fffffffu) > 0x7f800000u);
@@ -209,6 +208,9 @@ static inline void lora_store(uint16_t *o, lf16 sums) {
     memcpy(o, &h, sizeof h);
 #endif
 }
+
+/* o[0..16) = bf16(o + sums) */
+static inline void lora_store(uint16_t *o, lf16 sums) { lora_write(o, lora_load(o) + sums); }
 
 /* out[q][j0 + 16 vectors) += sum_k h[q][k] B^T[k][...] for `rows` rows, each sum in rank order */
 static inline __attribute__((always_inline)) void lora_up_block(
@@ -362,10 +364,13 @@ static inline __attribute__((always_inline)) void lora_up8_block(
         const __m512i offset = _mm512_slli_epi32(
             _mm512_loadu_si512((const void *)(colsum + j0 + v * 16)), 7);
         const __m512 sb = _mm512_loadu_ps(scale + j0 + v * 16);
-        for (int q = 0; q < rows; q++) {
+        for (int q = 0; q < rows; q++) { /* out + sum * scale as one fused op, written out:
+            left to the compiler, the instances for some row counts fused it and others did not
+            (a row's bits then depended on how many rows shared its call) */
             const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[q][v], offset));
-            lora_store(out[q] + j0 + v * 16,
-                       (lf16)_mm512_mul_ps(sum, _mm512_mul_ps(sb, _mm512_set1_ps(sh[q]))));
+            const __m512 scale = _mm512_mul_ps(sb, _mm512_set1_ps(sh[q]));
+            uint16_t *o = out[q] + j0 + v * 16;
+            lora_write(o, (lf16)_mm512_fmadd_ps(sum, scale, (__m512)lora_load(o)));
         }
     }
 }
@@ -384,8 +389,9 @@ static inline __attribute__((always_inline)) void lora_up8(
         for (int64_t j = whole; j < width; j++) {
             int32_t sum = 0;
             for (int64_t k = 0; k < r; k++) sum += (int32_t)hq[q][k] * bt[((k / 4) * width + j) * 4 + k % 4];
-            const float delta = (float)(sum - 128 * colsum[j]) * scale[j] * sh[q];
-            out[q][j] = to_bf16(from_bf16(out[q][j]) + delta);
+            const float scaled = scale[j] * sh[q]; /* fused as the vectors' are */
+            out[q][j] = to_bf16(__builtin_fmaf((float)(sum - 128 * colsum[j]), scaled,
+                                               from_bf16(out[q][j])));
         }
 }
 
