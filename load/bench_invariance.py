@@ -1,6 +1,10 @@
-"""The cost of --batch-invariant (a script, not a test): tokens/s at C=1 and C=16 and a long
-prompt's time to first token, the default engine against the batch-invariant one, interleaved
-in one run on the default model; and how many of 16 requests differ alone and batched.
+"""The cost of determinism (a script, not a test): tokens/s at C=1 and C=16 and a long prompt's
+time to first token, the engine as it was before determinism became the default (the fastest
+kernel per row count, prompt chunks through torch's SDPA) against today's default (one
+row-invariant kernel a matmul, every token through the decode attention kernel), speculation on
+in both, interleaved in one run on the default model, the order alternating round by round,
+every prompt new to both servers (a repeat would draft from its own answer); the median of
+the rounds' paired ratios; and how many of 16 requests differ alone and batched.
 
     .venv/bin/python -m load.bench_invariance [--model-dir models/smollm2-135m-instruct-gptq]
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -26,9 +31,10 @@ def engine(model_dir: Path, invariant: bool, threads: int) -> Any:
     from predictor.observability.metrics import Metrics
 
     loaded = load_checkpoint(model_dir, device="cpu", threads=1)
-    settings = Settings(max_batch_size=16, batch_invariant=invariant, threads=threads,
-                        autotune_cache="")  # fmt: skip
-    made = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
+    settings = Settings(max_batch_size=16, threads=threads, autotune_cache="")
+    made = build_engine(
+        loaded, settings, Metrics(CollectorRegistry(), "bench"), invariant=invariant
+    )
     made.start()
     while not made.ready():
         time.sleep(0.05)
@@ -44,12 +50,13 @@ async def tokens(made: Any, prompt: str, params: Any, rid: str) -> list[int]:
     return out
 
 
-async def rate(made: Any, concurrency: int) -> float:
+async def rate(made: Any, concurrency: int, tag: str) -> float:
     from predictor.types import SamplingParams
 
     params = SamplingParams(max_tokens=96, ignore_eos=True)
     started = time.perf_counter()
-    runs = [tokens(made, f"Tell me about item {i}.", params, f"r{i}") for i in range(concurrency)]
+    runs = [tokens(made, f"Tell me about {tag} item {i}.", params, f"r{i}")
+            for i in range(concurrency)]  # fmt: skip
     made_tokens = sum(len(t) for t in await asyncio.gather(*runs))
     return made_tokens / (time.perf_counter() - started)
 
@@ -87,31 +94,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=Path("models/smollm2-135m-instruct-gptq"))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--long-prompt", type=int, default=1500)
     args = parser.parse_args()
     engines = {mode: engine(args.model_dir, mode, args.threads) for mode in (False, True)}
-    best: dict[tuple[int, bool], float] = {}
+    ratios: dict[str, list[float]] = {"C=1": [], "C=16": [], "ttft": []}
+    figures: dict[tuple[str, bool], list[float]] = {}
     try:
-        for _ in range(args.rounds):
-            for concurrency in (1, 16):
-                for mode, made in engines.items():
-                    got = asyncio.run(rate(made, concurrency))
-                    best[concurrency, mode] = max(best.get((concurrency, mode), 0.0), got)
-        ttft = {mode: min(asyncio.run(first_token(made, args.long_prompt)) for _ in range(2))
-                for mode, made in engines.items()}  # fmt: skip
+        for round_ in range(args.rounds):
+            order = [False, True] if round_ % 2 == 0 else [True, False]
+            got: dict[tuple[str, bool], float] = {}
+            for mode in order:
+                made = engines[mode]
+                for concurrency in (1, 16):
+                    tag = f"{WORDS[round_ % len(WORDS)]}-{round_}-{int(mode)}-{concurrency}"
+                    got[f"C={concurrency}", mode] = asyncio.run(rate(made, concurrency, tag))
+                got["ttft", mode] = asyncio.run(first_token(made, args.long_prompt))
+            for key in ratios:
+                ratios[key].append(got[key, True] / got[key, False])
+                for mode in (False, True):
+                    figures.setdefault((key, mode), []).append(got[key, mode])
         differ = {mode: asyncio.run(differing(made)) for mode, made in engines.items()}
     finally:
         for made in engines.values():
             made.stop()
-    for concurrency in (1, 16):
-        default, invariant = best[concurrency, False], best[concurrency, True]
-        print(f"C={concurrency}: default {default:.1f} tok/s, batch-invariant {invariant:.1f} "
-              f"tok/s ({invariant / default:.2f}x)")  # fmt: skip
-    print(f"first token of a {args.long_prompt}-word prompt: default {ttft[False]:.2f} s, "
-          f"batch-invariant {ttft[True]:.2f} s")  # fmt: skip
+    for key, paired in ratios.items():
+        unit = "s" if key == "ttft" else "tok/s"
+        before, now = statistics.median(figures[key, False]), statistics.median(figures[key, True])
+        print(
+            f"{key}: before {before:.2f} {unit}, deterministic {now:.2f} {unit}; median paired "
+            f"ratio {statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})"
+        )
     for mode, (greedy, seeded) in differ.items():
-        name = "batch-invariant" if mode else "default"
+        name = "deterministic" if mode else "before"
         print(f"{name}: of 16 requests, {greedy} greedy and {seeded} seeded differ alone/batched")
 
 

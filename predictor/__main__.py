@@ -48,8 +48,11 @@ def build_engine(
     settings: Settings,
     metrics: Metrics,
     on_prepared: Callable[[], None] | None = None,
+    invariant: bool = True,
 ) -> AsyncEngine:
-    """Runner, scheduler and step loop behind the asyncio front."""
+    """Runner, scheduler and step loop behind the asyncio front. `invariant`: always, but for
+    load/bench_invariance.py's baseline (a request's tokens independent of its batch: the CPU
+    runner's `batch_invariant`)."""
     allocator = BlockAllocator(
         blocks_for(settings.max_cache_tokens, settings.kv_block_size), settings.kv_block_size
     )
@@ -71,7 +74,7 @@ def build_engine(
                 kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
                 autotune_cache=settings.autotune_dir,
                 release_model_weights=True,  # only the runner runs the served model
-                batch_invariant=settings.batch_invariant,
+                batch_invariant=invariant,
                 copies_after_ready=True,  # ready sooner; many-row steps at speed soon after
                 lora=bool(settings.lora_modules or settings.allow_runtime_lora),
             )

@@ -113,7 +113,7 @@ class Settings:
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     cuda_graphs: bool = True  # on a GPU: decode steps replay CUDA graphs captured at start
-    batch_invariant: bool = False  # a request's tokens independent of its batch (see --help)
+    batch_invariant: bool = True  # accepted, always on: tokens independent of the batch (--help)
     otlp_traces_endpoint: str = ""  # "": no traces
     otlp_traces_protocol: str = "grpc"
     tenant_header: str = ""  # a header naming the request's tenant ("": OpenAI's user only)
@@ -214,6 +214,10 @@ class Settings:
             raise ValueError("--max-tenant-labels must be >= 1")
         if self.log_payloads not in PAYLOAD_MODES:
             raise ValueError(f"--log-payloads must be one of {', '.join(PAYLOAD_MODES)}")
+        if not self.batch_invariant:
+            raise ValueError(
+                "--batch-invariant false: determinism is always on (docs/engine.md, Determinism)"
+            )
         if self.log_payloads != "off" and not self.payload_logger_url:
             raise ValueError("--log-payloads needs --payload-logger-url (where records go)")
 
@@ -310,10 +314,9 @@ _HELP = {
     "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
     "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",
-    "batch_invariant": "a request's tokens (greedy, or seeded sampling) are the same alone or "
-    "in any batch, with or without prefix-cache hits, and after a preemption: each matmul runs "
-    "one row-invariant kernel at every row count and every token attends as a decode row "
-    '(native attention); the cost is in docs/engine.md, "Batch invariance"',
+    "batch_invariant": "accepted for compatibility, always on (false is refused): a request's "
+    "tokens (greedy, or seeded sampling) are the same alone or in any batch, with or without "
+    'speculative drafts, prefix-cache hits or a preemption; docs/engine.md, "Determinism"',
     "otlp_traces_endpoint": "send a trace span per request (OpenTelemetry's GenAI attributes, "
     "vLLM's latency attributes) to this OTLP collector, e.g. http://otel-collector:4317; a "
     'traceparent header or gRPC metadata makes it a child span ("": off; default from '

@@ -228,13 +228,14 @@ def _measure(
     width = int(next(iter(groups.values()))[0].in_features) if groups else 0
     weight_width = _head_width(heads) or width
     plain = {n: make for n, make in heads.items() if not n.startswith(ROWWISE)}
+    head_dtype = getattr(getattr(heads["module"](), "weight", None), "dtype", torch.bfloat16)
     for name, make in plain.items():
         try:
             kernel = make()
         except ValueError as error:
             logger.info("autotune: lm_head %s unavailable: %s", name, error)
             continue
-        if invariant and not row_invariant(kernel, weight_width, generator):
+        if invariant and not row_invariant(kernel, weight_width, generator, head_dtype):
             logger.info("autotune: lm_head %s is not row-invariant: not used", name)
             continue
         built[name] = [kernel]

@@ -18,15 +18,20 @@ def rowwise(kernel: Kernel) -> Kernel:
     rows share its call (for --batch-invariant, where no faster kernel is row-invariant)."""
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= 1:  # one row, or none (a step with no logits to return)
+            return kernel(x)
         return torch.cat([kernel(x[i : i + 1]) for i in range(x.shape[0])])
 
     return run
 
 
-def row_invariant(kernel: Kernel, width: int, generator: torch.Generator) -> bool:
+def row_invariant(
+    kernel: Kernel, width: int, generator: torch.Generator, dtype: torch.dtype = torch.bfloat16
+) -> bool:
     """Whether each row of `kernel`'s output is the same, bit for bit, whatever other rows share
-    the call: checked at the row counts the buckets start at, and odd ones between."""
-    x = (torch.randn((65, width), generator=generator) * 0.5).to(torch.bfloat16)
+    the call: checked at the row counts the buckets start at, and odd ones between, on inputs
+    of `dtype` (the model's activations)."""
+    x = (torch.randn((65, width), generator=generator) * 0.5).to(dtype)
     with torch.inference_mode():
         full = kernel(x)
         return all(torch.equal(kernel(x[:rows]), full[:rows]) for rows in (1, 2, 3, 8, 15, 16, 33))

@@ -58,7 +58,7 @@ class ModelRunner:
         kernel: str = "auto",
         autotune_cache: Path | None = None,
         release_model_weights: bool = False,
-        batch_invariant: bool = False,
+        batch_invariant: bool = True,
         copies_after_ready: bool = False,
         lora: bool = False,
     ) -> None:
@@ -75,10 +75,12 @@ class ModelRunner:
         the model's forward no longer works then. For a server, whose model only the runner
         runs.
 
-        `batch_invariant`: a request's tokens do not depend on what else is batched with it, on
-        prefix-cache hits or on preemption: each matmul runs one row-invariant kernel at every
-        row count (autotune.py checks which are, here), and with native attention every token
-        attends as a decode row, prompt chunks too (plan.py, `queries_as_decode`).
+        `batch_invariant` (the default; a server never turns it off): a request's tokens do not
+        depend on what else is batched with it, on drafts being verified, on prefix-cache hits
+        or on preemption: each matmul runs one row-invariant kernel at every row count
+        (autotune.py checks which are, here), and with native attention every token attends by
+        the decode kernel's arithmetic, prompt chunks too (plan.py, `queries_as_decode`). Off
+        only for load/bench_invariance.py's baseline: the fastest kernel per row count.
 
         `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
         thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
@@ -171,10 +173,10 @@ class ModelRunner:
         self._native = self._native_attention(attention, dtype)
         if batch_invariant and self._native is None:
             logger.warning(
-                "--batch-invariant: the kernels are row-invariant, but attention is torch's "
-                "(native attention needs a bf16 model on the CPU and a C compiler): prompt "
-                "chunks and decode rows attend by different code, so prefix-cache hits and "
-                "preemption may change a request's tokens"
+                "determinism: the kernels are row-invariant, but attention is torch's (native "
+                "attention needs a bf16 model on the CPU, no soft-capping or sliding windows, and "
+                "a C compiler): prompt chunks and decode rows attend by different code, so "
+                "prefix-cache hits, chunking and preemption may change a request's tokens"
             )
         # with native attention, the layers' norms, rotary + cache write and SwiGLU too
         self._ops: LayerKernels | None = None
