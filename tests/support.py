@@ -329,14 +329,10 @@ class ServerProcess:
     def start(
         cls, model_dir: Path, model_name: str, extra: Sequence[str] = (), timeout: float = 180.0
     ) -> Iterator[ServerProcess]:
-        # torch's kernels and ops: the serving tests need requests that last seconds (holders of
-        # 900 tokens, streams outliving a 4 MiB upload), and the native kernels decode the tiny
-        # model several times faster. The native path is served end to end by
-        # tests/load/test_bench_peers.py (default flags) and checked in tests/engine. No
-        # speculation either: the tiny model repeats one token, which drafts a step would verify
-        # several at a time (tests/serving/test_speculation.py serves it with speculation).
-        args = ["--threads", "1", "--attention", "torch", "--kernel", "int4_op",
-                "--speculative", "off", *extra]  # fmt: skip
+        # the defaults a user runs (native attention, the autotune's kernels, speculation, one
+        # compute thread on these 2-core machines: every core but one): a test about another
+        # path passes its flags in `extra`
+        args = list(extra)
         launch, log_path = _launcher()
         with local_server(
             str(model_dir), model_name, log_path, args, timeout, launch=launch

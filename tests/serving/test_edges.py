@@ -157,7 +157,9 @@ def model_server() -> Iterator[ServerProcess]:
     jitter."""
     if not DEFAULT_MODEL.is_dir():
         pytest.skip("run `make model` first (make test does)")
-    extra = ["--threads", "1", "--max-tokens-limit", "1000"]
+    # no speculation: a stall shows as one gap between tokens against their median, and a
+    # step that keeps several drafts sends its tokens with no gap between them
+    extra = ["--threads", "1", "--max-tokens-limit", "1000", "--speculative", "off"]
     with ServerProcess.start(DEFAULT_MODEL, MODEL_NAME, extra=extra) as srv:
         yield srv
 
@@ -240,8 +242,10 @@ SMALL_WINDOW = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024
 def small_queue(tiny_gptq_dir: Path) -> Iterator[ServerProcess]:
     # a grace well below the ~1 s the tiny model takes for 1000 tokens: the unread stream's
     # cancellation shows however small its responses (and so however many gRPC's window holds)
+    # no speculation: the tiny model repeats one token, whose drafts would make its 1000
+    # tokens a few steps of 9, ended before the grace
     extra = ["--stream-queue-size", str(STREAM_QUEUE), "--max-tokens-limit", "1000",
-             "--max-json-depth", "64", "--slow-reader-grace", "0.2"]  # fmt: skip
+             "--max-json-depth", "64", "--slow-reader-grace", "0.2", "--speculative", "off"]  # fmt: skip
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as srv:
         yield srv
 
