@@ -222,14 +222,6 @@ class Settings:
             raise ValueError("--log-payloads needs --payload-logger-url (where records go)")
 
 
-def _bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
-
-
 _HELP = {
     "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models)",
     "model_name": "name served under /v2/models/{name} and as the OpenAI model (default: the "
@@ -366,7 +358,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         env_name = "PREDICTOR_" + f.name.upper()
         default = getattr(defaults, f.name)
         kind = type(default)
-        convert = _bool if kind is bool else str if kind is tuple else kind
+        convert = vllm_args.boolean if kind is bool else str if kind is tuple else kind
         many = "*" if kind is tuple else None  # a list flag: its values, space-separated
         if env_name not in env and f.name in OTEL_ENV:
             default = _otel_default(f.name, env, default)
@@ -375,9 +367,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 default = tuple(env[env_name].split()) if many else convert(env[env_name])
             except (ValueError, argparse.ArgumentTypeError):
                 parser.error(f"{env_name}={env[env_name]!r} is not a valid {kind.__name__}")
+        names = (flag, *vllm_args.FLAG_ALIASES.get(f.name, ()))  # vLLM's names too
+        note = f"[env {env_name}]"
+        if kind is bool:  # --flag, --no-flag, --flag VALUE
+            vllm_args.add_boolean(parser, names, f.name, default, _HELP[f.name], note)
+            continue
         parser.add_argument(
-            flag,
-            *vllm_args.FLAG_ALIASES.get(f.name, ()),  # vLLM's names too
+            *names,
             dest=f.name,
             type=convert,
             nargs=many,
@@ -389,7 +385,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 "otlp_traces_protocol": OTLP_PROTOCOLS,
                 "log_payloads": PAYLOAD_MODES,
             }.get(f.name),
-            help=f"{_HELP[f.name]} [env {env_name}]",
+            help=f"{_HELP[f.name]} {note}",
         )
     vllm_args.add_arguments(parser)
     return parser

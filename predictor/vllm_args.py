@@ -1,17 +1,64 @@
 """`vllm serve`'s spellings of this server's settings: what a deployment written for vLLM passes
 (KServe's LLMInferenceService templates its engine command and appends its LoRA flags), read
-into the same Settings (config.py builds the parser and calls these)."""
+into the same Settings (config.py builds the parser and calls these). A boolean flag is written
+as vLLM writes its own (argparse.BooleanOptionalAction): `--flag` alone, `--no-flag`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from typing import Any
 
 # Settings fields also set by vLLM's flag of another name
 FLAG_ALIASES = {
     "http_port": ("--port",),
+    "prefix_caching": ("--enable-prefix-caching",),  # and --no-enable-prefix-caching
 }
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def boolean(text: str) -> bool:
+    """A boolean flag's value or PREDICTOR_* variable: a word of TRUE_WORDS or FALSE_WORDS."""
+    if text.lower() in TRUE_WORDS:
+        return True
+    if text.lower() in FALSE_WORDS:
+        return False
+    raise argparse.ArgumentTypeError(
+        f"not a boolean: {text!r} (a value is one of {'/'.join(TRUE_WORDS)}, "
+        f"{'/'.join(FALSE_WORDS)}; the flag alone is true, --no-FLAG false)"
+    )
+
+
+def add_boolean(
+    parser: argparse.ArgumentParser,
+    names: Sequence[str],
+    dest: str,
+    default: bool,
+    help: str,
+    note: str = "",
+) -> None:
+    """A boolean flag under each of `names`: alone it is true, as `--no-NAME` false (vLLM's
+    forms), and `--flag VALUE` / `--flag=VALUE` takes a word of `boolean`'s (this server's first
+    form, in deployments still). A bare flag takes the next argument only when that does not
+    start with '-' (argparse's nargs='?'), so `--flag --port 1` is the flag alone and `--flag
+    port` an error naming the word. `--no-NAME` takes no value; it is left out of --help, where
+    the flag's own line names it, before `note`."""
+    negated = ["--no-" + name.removeprefix("--") for name in names]
+    parser.add_argument(
+        *names,
+        dest=dest,
+        nargs="?",
+        const=True,
+        type=boolean,
+        default=default,
+        metavar="BOOL",
+        help=f"{help} ({' or '.join(negated)}: false) {note}".rstrip(),
+    )
+    parser.add_argument(
+        *negated, dest=dest, action="store_false", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.set_defaults(served_aliases=())
     # vLLM's switch for serving adapters: this server serves them without it
-    parser.add_argument(
-        "--enable-lora", action="store_true", help="vLLM's; adapters need no switch here"
+    add_boolean(
+        parser, ["--enable-lora"], "enable_lora", False, "vLLM's; adapters need no switch here"
     )
 
 

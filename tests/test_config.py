@@ -1,10 +1,25 @@
 import os
+import socket
+from dataclasses import fields
 from pathlib import Path
 
+import httpx
 import pytest
 
+from load.random_lora import write_adapter
+from predictor import vllm_args
 from predictor.config import Settings, build_parser
 from predictor.model.layout import served_name
+from tests.support import ServerProcess
+
+# every boolean setting, so that a new one is checked in every form below without a word here
+BOOLEANS = [f.name for f in fields(Settings) if type(f.default) is bool]
+# each one's flag names: ours, then vLLM's (vllm_args.FLAG_ALIASES)
+BOOLEAN_FLAGS = [
+    (name, flag)
+    for name in BOOLEANS
+    for flag in ("--" + name.replace("_", "-"), *vllm_args.FLAG_ALIASES.get(name, ()))
+]
 
 
 def test_defaults_and_flags() -> None:
@@ -78,7 +93,10 @@ def test_the_default_thread_count_leaves_one_core_to_serving(
     assert Settings(threads=2).torch_threads == 2
 
 
-@pytest.mark.parametrize(("name", "value"), [("MAX_BATCH_SIZE", "abc"), ("MODEL_CONTROL", "maybe")])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("MAX_BATCH_SIZE", "abc"), *((name.upper(), "maybe") for name in BOOLEANS)],
+)
 def test_a_bad_environment_value_is_a_usage_error_naming_it(
     name: str, value: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -141,3 +159,94 @@ def test_lora_flags_as_vllm_and_kserves_llminferenceservice_write_them() -> None
                 ["--max-cpu-loras", "-1"]):  # fmt: skip
         with pytest.raises(ValueError, match="lora"):
             Settings.from_sources(bad, {})
+
+
+def test_the_boolean_settings_are_found() -> None:
+    # the lists the tests below iterate: a dataclass change that hid the booleans would empty them
+    assert {"enable_grpc", "prefix_caching", "allow_runtime_lora", "model_control",
+            "vllm_metric_aliases", "cuda_graphs", "batch_invariant"} <= set(BOOLEANS)  # fmt: skip
+    assert ("prefix_caching", "--enable-prefix-caching") in BOOLEAN_FLAGS
+
+
+@pytest.mark.parametrize(("name", "flag"), BOOLEAN_FLAGS)
+def test_a_boolean_flag_alone_is_true_and_its_no_form_false(name: str, flag: str) -> None:
+    """vLLM's forms (argparse.BooleanOptionalAction's), each against the opposite value from the
+    environment, so that neither can pass by being the default."""
+    env = f"PREDICTOR_{name.upper()}"
+    negated = "--no-" + flag.removeprefix("--")
+    assert getattr(Settings.from_sources([flag], {env: "false"}), name) is True
+    assert getattr(Settings.from_sources([negated], {env: "true"}), name) is False
+    # alone before another flag, and last: the next flag is not taken for its value
+    alone = Settings.from_sources([flag, "--http-port", "9000"], {env: "0"})
+    assert getattr(alone, name) is True and alone.http_port == 9000
+    before = Settings.from_sources(["--http-port", "9000", negated], {env: "1"})
+    assert getattr(before, name) is False and before.http_port == 9000
+    # the last one given wins, as with any flag
+    assert getattr(Settings.from_sources([flag, negated], {}), name) is False
+    assert getattr(Settings.from_sources([negated, flag], {}), name) is True
+
+
+@pytest.mark.parametrize(("name", "flag"), BOOLEAN_FLAGS)
+def test_a_boolean_flag_still_takes_a_value(name: str, flag: str) -> None:
+    """`--flag true` (how the deployments and scripts wrote them first), `--flag=off`, and each
+    word of vllm_args.boolean's, in any case."""
+    env = f"PREDICTOR_{name.upper()}"
+    for words, value in ((vllm_args.TRUE_WORDS, True), (vllm_args.FALSE_WORDS, False)):
+        for word in (*words, *(w.upper() for w in words)):
+            opposite = {env: str(not value)}
+            assert getattr(Settings.from_sources([flag, word], opposite), name) is value, word
+            assert getattr(Settings.from_sources([f"{flag}={word}"], opposite), name) is value
+            assert getattr(Settings.from_sources([], {env: word}), name) is value, word
+
+
+@pytest.mark.parametrize(("name", "flag"), BOOLEAN_FLAGS)
+def test_a_boolean_flag_refuses_another_word_naming_it(
+    name: str, flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    negated = "--no-" + flag.removeprefix("--")
+    for argv in ([flag, "maybe"], [f"{flag}=2"], [flag, ""], [negated, "true"],
+                 [f"{negated}=false"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            Settings.from_sources(argv, {})
+        assert exit_.value.code == 2, argv
+        err = capsys.readouterr().err
+        if not argv[0].startswith("--no-"):
+            assert "not a boolean" in err and flag in err, (argv, err)
+
+
+def test_the_help_names_each_boolean_flags_no_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside a flag's name
+    text = build_parser({}).format_help()
+    for _, flag in BOOLEAN_FLAGS:
+        negated = "--no-" + flag.removeprefix("--")
+        assert f"{flag} [BOOL]" in text and f"({negated}" in text.replace(" or ", " (")
+
+
+def test_vllms_enable_lora_takes_every_boolean_form() -> None:
+    """vLLM's --enable-lora, with no setting of its own here (adapters need no switch)."""
+    parse = build_parser({}).parse_args
+    assert parse(["--enable-lora", "--max-loras=2"]).enable_lora is True
+    assert parse(["--enable-lora", "false"]).enable_lora is False
+    assert parse(["--enable-lora", "--no-enable-lora"]).enable_lora is False
+    assert parse([]).enable_lora is False
+    with pytest.raises(SystemExit):
+        parse(["--enable-lora", "maybe"])
+
+
+def test_the_server_takes_boolean_flags_alone(tiny_gptq_dir: Path, tmp_path: Path) -> None:
+    """The flags as vLLM's docs and ours write them, through the real server: run-time adapters
+    allowed, vLLM's metric names exported, no gRPC listener (--vllm-metric-aliases last, with
+    nothing after it)."""
+    extra = ["--allow-runtime-lora", "--max-tokens-limit", "512", "--no-enable-grpc",
+             "--vllm-metric-aliases"]  # fmt: skip
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as server:
+        adapter = write_adapter(tmp_path / "late", tiny_gptq_dir, 8, 1)
+        body = {"lora_name": "late", "lora_path": str(adapter)}
+        loaded = httpx.post(f"{server.base_url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert loaded.status_code == 200, loaded.text  # 403 without --allow-runtime-lora
+        models = httpx.get(f"{server.base_url}/v1/models", timeout=10).json()["data"]
+        assert "late" in {m["id"] for m in models}
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        assert "\nvllm:num_requests_waiting" in metrics and "\nvllm:kv_cache_usage_perc" in metrics
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5).close()
