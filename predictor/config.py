@@ -104,7 +104,7 @@ class Settings:
     max_prompts: int = 16  # prompts in one request (V2 text_input [N], OpenAI n x prompts)
     max_body_bytes: int = 8 * 1024 * 1024  # REST body and gRPC message size (413 past it)
     max_json_depth: int = 32  # nesting of a JSON body
-    grammar_compile_timeout: float = 10.0  # seconds a request waits for its grammar's compile
+    grammar_compile_timeout: float = 10.0  # seconds a grammar's compile may run (from its start)
     max_grammar_compiles: int = 16  # grammar compiles running or waiting at once (then 429)
     max_stream_requests: int = 64  # requests in progress on one ModelStreamInfer stream
     stream_queue_size: int = 256  # responses buffered per ModelStreamInfer stream
@@ -288,11 +288,14 @@ _HELP = {
     "more is a 400",
     "max_body_bytes": "largest REST body (413 past it) and gRPC message (RESOURCE_EXHAUSTED)",
     "max_json_depth": "deepest nesting of a JSON body (400 past it)",
-    "grammar_compile_timeout": "seconds a request waits for its structured-output grammar to "
-    "compile; past it the request is refused (400, too complex) and the compile, which cannot "
-    "be stopped, finishes in the background and is cached",
+    "grammar_compile_timeout": "seconds a structured-output grammar's own compile may take, "
+    "counted from when it starts on a compile thread (not while it waits behind others): past "
+    "it the request is refused (400, too complex) and the compile, which cannot be stopped, "
+    "finishes in the background and is cached; a request whose compile has not started within "
+    "it is answered 429 with Retry-After (the server is busy), never a 400",
     "max_grammar_compiles": "structured-output grammars compiling or waiting to compile at "
-    "once (on a pool of their own, at a low CPU priority); more are refused with 429 and "
+    "once (on a pool of their own: every usable CPU but one, at a low CPU priority; a compile "
+    "that runs 0.1 s while another waits runs on at the lowest); more are refused with 429 and "
     "Retry-After",
     "max_stream_requests": "requests in progress on one ModelStreamInfer stream; more get "
     "error_message RESOURCE_EXHAUSTED",

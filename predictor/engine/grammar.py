@@ -7,6 +7,25 @@ for the allowed-token bitmask (`fill`) in the batched sampling pass, the step lo
 accepted token (`accept`) and ends the row once it is `finished`. Rows without a grammar never
 meet this module.
 
+The compile budget (`--grammar-compile-timeout`) times a grammar's own compile: it starts when
+the compile starts on a pool thread, not when the request arrives, so waiting behind other
+clients' compiles is never this client's "too complex". A compile that itself runs past it is
+the client's 400 (InvalidRequest); a request whose compile has not started within the budget
+is told the server is busy (Overloaded: 429 with Retry-After, as a full waiting queue is), and
+its queued compile is dropped unless another request waits for the same grammar.
+
+The pool (`compile_pool.py`) has every usable CPU but one (at least one thread): the last is
+decoding's. xgrammar's compile cannot be paused or cancelled, so on 2 cores (one compile thread)
+four slow regexes would hold a one-property schema for their whole compiles; instead a compile
+that has run `quantum` (0.1 s) while another waits is demoted to nice 19 and runs on beside
+the pool, whose thread takes the next compile. A cheap schema then starts within a quantum
+and compiles at the pool's priority (nice 10) against the demoted ones' (nice 19), with the
+step loop (nice 0) above both: it answers about as fast as on an idle server
+(tests/serving/test_grammar_busy.py), while the slow ones use what is idle and are cached.
+The price: where every core is busy, a demoted compile gets little CPU and may run past its
+budget (400) though it would have finished within it on a quiet server; it still finishes and
+is cached, so a retry is answered from the cache.
+
 What cannot be enforced or satisfied is `InvalidRequest` naming the request's key, never
 unconstrained text nor a fault of the model: a JSON schema `schema_check.py` refuses, a regex or
 EBNF grammar xgrammar cannot compile (its message, without its internals), a grammar whose
@@ -21,19 +40,20 @@ rewrites each such rule to one JSON character: an unescaped one or an escape.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Collection
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import xgrammar as xgr
 
 from predictor.engine import tool_calls
+from predictor.engine.compile_pool import CompilePool, Job, default_threads
 from predictor.engine.grammar_check import empty_rule
 from predictor.engine.schema_check import check_schema
 from predictor.errors import InvalidRequest, Overloaded
@@ -41,6 +61,9 @@ from predictor.types import Grammar
 
 MAX_GRAMMAR_CHARS = 64 * 1024
 COMPILE_NICENESS = 10  # of the compile threads (0: as the rest of the server)
+# how long a compile holds a pool thread while another waits for one (then it runs on at the
+# lowest priority, beside the pool): a one-property schema compiles in ~15 ms on 2 cores
+QUANTUM_SECONDS = 0.1
 
 
 # A length-bounded string's character as xgrammar 0.2.9 prints it, and what it should be.
@@ -73,10 +96,18 @@ def _result(cached: Any) -> Any:
     return cached
 
 
-def _lower_priority() -> None:
-    """A compile thread yields its core to the step loop and the server (Linux: per thread)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICENESS)
+class _Pending:
+    """A grammar compiling: its job on the pool, and how many requests wait for it."""
+
+    __slots__ = ("job", "waiters")
+
+    def __init__(self, job: Job[Any]) -> None:
+        self.job, self.waiters = job, 0
+
+
+def _awaitable(future: Future[Any]) -> Awaitable[Any]:
+    """A pool future to await on the event loop; cancelling the wait leaves the job alone."""
+    return asyncio.shield(asyncio.wrap_future(future))
 
 
 def _build(grammar: Grammar) -> xgr.Grammar:
@@ -120,12 +151,16 @@ def library_message(exc: BaseException) -> str:
 class Grammars:
     """Compiles grammars for one tokenizer, on a small pool of its own, and caches them.
 
-    `compile_async` is the requests' way in: a compile runs on this object's threads (never the
-    pool that tokenizes), at a low CPU priority so that decoding and serving keep their cores;
-    at most `max_in_flight` compiles run or wait at once (more: Overloaded, a 429); a request
-    waits `timeout` seconds at most (then InvalidRequest: too complex). A compile cannot be
-    stopped once it runs, so it keeps its slot until it ends, and its grammar is cached for
-    the next request; one that has not started when its client leaves or times out is dropped.
+    `compile_async` is the requests' way in: a compile runs on this object's pool (never the
+    pool that tokenizes; `threads` of them, 0: every usable CPU but one), at a low CPU priority
+    so that decoding and serving keep their cores; at most `max_in_flight` compiles run or wait
+    at once (more: Overloaded, a 429). `timeout` is each compile's own budget, from when it
+    starts on a thread: past it, InvalidRequest (too complex); a request whose compile has not
+    started `timeout` s after it asked is Overloaded (the server is busy: retry). A compile that
+    runs `quantum` s while another waits gives its thread up and runs on at the lowest priority
+    (`compile_pool.py`), so cheap grammars pass slow ones. A compile cannot be stopped once it
+    runs, so it ends in the background and its grammar is cached for the next request; one that
+    has not started when its last client leaves, times out or is refused is dropped.
     Compiled grammars (and refusals) are cached by their text, LRU, within `cache_bytes`."""
 
     def __init__(
@@ -137,7 +172,8 @@ class Grammars:
         cache_bytes: int = 256 * 2**20,
         timeout: float = 10.0,
         max_in_flight: int = 16,
-        threads: int = 1,
+        threads: int = 0,
+        quantum: float = QUANTUM_SECONDS,
     ) -> None:
         self.info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
@@ -151,9 +187,11 @@ class Grammars:
         self.compiled = 0  # grammars compiled (cache misses), for tests and metrics
         self.timeout, self.max_in_flight = timeout, max_in_flight
         self.in_flight = 0  # compiles running or waiting for a thread
-        # per grammar compiling: its future and how many requests wait for it
-        self._pending: dict[tuple[str, str], list[Any]] = {}
-        self._pool = ThreadPoolExecutor(threads, "grammar-compile", initializer=_lower_priority)
+        # per grammar compiling: its job and how many requests wait for it
+        self._pending: dict[tuple[str, str], _Pending] = {}
+        self.pool = CompilePool(
+            threads or default_threads(), quantum, COMPILE_NICENESS, "grammar-compile"
+        )
 
     async def compile_async(self, grammar: Grammar) -> Any:
         """`compile` on the pool, bounded in time and in compiles at once (see the class).
@@ -171,32 +209,46 @@ class Grammars:
                         "compiles at once: retry later"
                     )
                 self.in_flight += 1
-                pending = self._pending[key] = [self._pool.submit(self.compile, grammar), 0]
-                pending[0].add_done_callback(lambda _, key=key: self._finished(key))
-            pending[1] += 1
+                pending = self._pending[key] = _Pending(
+                    self.pool.submit(partial(self.compile, grammar))
+                )
+                pending.job.done.add_done_callback(partial(self._finished, key))
+            pending.waiters += 1
         try:
-            waiter = asyncio.shield(asyncio.wrap_future(pending[0]))
-            return await asyncio.wait_for(waiter, self.timeout)
-        except TimeoutError:  # the wait ended; a compile that started runs on in its slot
-            param = grammar.param
+            return await self._wait(pending.job, grammar.param)
+        finally:
+            with self._lock:
+                pending.waiters -= 1
+                abandoned = pending.waiters == 0
+            if abandoned:  # nobody waits: a compile not yet started is dropped (its done
+                self.pool.cancel(pending.job)  # callback takes the lock: called outside it)
+
+    async def _wait(self, job: Job[Any], param: str) -> Any:
+        """The job's grammar: its start awaited for `timeout` s at most (else Overloaded), then
+        its end until `timeout` s after it started (else InvalidRequest)."""
+        try:
+            began = await asyncio.wait_for(_awaitable(job.started), self.timeout)
+        except TimeoutError:
+            raise Overloaded(
+                f"the server is busy compiling other requests' grammars: '{param}' waited "
+                f"{self.timeout:g} s and its compile has not started; retry later"
+            ) from None
+        left = began + self.timeout - time.monotonic()
+        try:
+            return await asyncio.wait_for(_awaitable(job.done), max(left, 0.0))
+        except TimeoutError:  # the wait ended; the compile runs on in the background
             raise InvalidRequest(
                 f"'{param}' is too complex: compiling it took longer than {self.timeout:g} s",
                 param=param,
             ) from None
-        finally:
-            with self._lock:
-                pending[1] -= 1
-                abandoned = pending[1] == 0
-            if abandoned:  # nobody waits: a compile not yet started is dropped (its done
-                pending[0].cancel()  # callback takes the lock: called outside it)
 
-    def _finished(self, key: tuple[str, str]) -> None:
+    def _finished(self, key: tuple[str, str], _: Future[Any]) -> None:
         with self._lock:
             self.in_flight -= 1
             self._pending.pop(key, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.close()
 
     def _cached(self, key: tuple[str, str]) -> Any:
         with self._lock:
