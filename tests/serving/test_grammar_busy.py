@@ -4,6 +4,7 @@ within twice its idle latency, as measured first on the same server."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -15,10 +16,11 @@ import pytest
 from tests.engine.test_grammar_limits import SLOW
 from tests.support import ServerProcess
 
-# A floor under the bar: the tiny model answers a one-property schema in tens of ms, where a
-# scheduler's tick or a GC pause on a busy 2-core machine is already a sizeable share; 0.5 s is
-# still far below what a cheap compile queued behind a slow one waits (the rest of the running
-# compile, ~1.5 s or more, and then each one queued ahead of it).
+# A floor under the bar: the tiny model answers a one-property schema in ~0.1 s, where a
+# neighbour's burst on a shared 2-core machine is already a sizeable share (medians of three
+# requests take the single spikes out); 0.5 s is still far below what a cheap compile queued
+# behind slow ones waits (the rest of the running compile, ~1.5 s or more, then each one queued
+# ahead of it: with demotion off it waited out the 4 s budget and got the 429).
 FLOOR_SECONDS = 0.5
 
 
@@ -60,11 +62,11 @@ def ask_regex(server: ServerProcess, i: int) -> httpx.Response:
 @pytest.mark.serial
 def test_a_cheap_schema_answers_beside_four_slow_regexes(busy: ServerProcess) -> None:
     ask_schema(busy, "warm")  # the first grammar reads the vocabulary (~0.2 s): not idle latency
-    idle = sorted(ask_schema(busy, f"idle{i}") for i in range(3))[1]
+    idle = statistics.median(ask_schema(busy, f"idle{i}") for i in range(3))
     with ThreadPoolExecutor(4) as pool:
         slow = [pool.submit(ask_regex, busy, i) for i in range(4)]
-        time.sleep(0.5)  # all four compiling: each holds the pool's thread 0.1 s at most
-        loaded = ask_schema(busy, "loaded")
+        time.sleep(1.0)  # all four compiling: each holds the pool's thread 0.1 s at most
+        loaded = statistics.median(ask_schema(busy, f"loaded{i}") for i in range(3))
         assert not any(f.done() for f in slow), "the slow regexes ended before the measure"
         bar = max(2 * idle, FLOOR_SECONDS)
         assert loaded < bar, f"{loaded:.3f} s beside four slow compiles, {idle:.3f} s idle"
