@@ -62,7 +62,9 @@ KEDA_METRIC_TYPES = {"Resource", "External", "PodMetric"}
 PLACEHOLDER = re.compile(r"\{\{\s*(.*?)\s*\}\}")
 META_FIELD = re.compile(r"^\.(Name|Namespace)$|^\.(Labels|Annotations)\.([\w./-]+)$")
 DRAIN_MARGIN_S = 5  # stopping the servers after the drain
-PEAK_RSS = re.compile(r"server RSS: start \d+ MiB, peak (\d+) MiB")
+# manifests/README.md, "Memory and CPU": the figure the memory requests and limits are sized from
+PEAK_RSS = re.compile(r"(?i)peak RSS over a cold start and the load \(VmHWM\): \*\*(\d+) MiB\*\*")
+MEMORY_HEADROOM = (1.25, 4.0)  # requests within these multiples of the measured peak
 QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
 
 
@@ -411,9 +413,9 @@ def quantity_bytes(text: str | int) -> float:
 
 
 def measured_peak_rss() -> int:
-    results = (Path(__file__).resolve().parents[2] / "load" / "RESULTS.md").read_text()
-    match = PEAK_RSS.search(results)
-    assert match, "load/RESULTS.md has no soak RSS line"
+    readme = (Path(__file__).resolve().parents[2] / "manifests" / "README.md").read_text()
+    match = PEAK_RSS.search(readme)
+    assert match, "manifests/README.md has no measured peak RSS line"
     return int(match[1]) * 2**20
 
 
@@ -445,13 +447,16 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
         if mounts.get(path) not in empty_dirs:
             errors.append(f"kserve-container.volumeMounts: {path} is not an emptyDir")
     errors += timing_errors(isvc, container, settings.request_timeout, settings.drain_seconds)
-    memory = ((container.get("resources") or {}).get("requests") or {}).get("memory")
-    peak = measured_peak_rss()
-    if memory is None or not 1.5 * peak <= quantity_bytes(memory) <= 8 * peak:
+    resources = container.get("resources") or {}
+    memory = (resources.get("requests") or {}).get("memory")
+    peak, (low, high) = measured_peak_rss(), MEMORY_HEADROOM
+    if memory is None or not low * peak <= quantity_bytes(memory) <= high * peak:
         errors.append(
             f"kserve-container.resources.requests.memory: {memory} does not fit the measured "
-            f"peak RSS of {peak >> 20} MiB (1.5x to 8x)"
+            f"peak RSS of {peak >> 20} MiB ({low}x to {high}x)"
         )
+    if (resources.get("limits") or {}).get("memory") != memory:
+        errors.append("kserve-container.resources: memory limit differs from the request")
     return errors
 
 

@@ -59,6 +59,51 @@ def test_every_kind_of_every_overlay_is_accepted(target: str) -> None:
     assert build_errors(docs, runtimes()) == []
 
 
+def containers_in(node: Any) -> list[Doc]:
+    """Every container-like mapping (one with `env` or `resources`) anywhere in a document."""
+    if isinstance(node, list):
+        return [c for item in node for c in containers_in(item)]
+    if not isinstance(node, dict):
+        return []
+    found = [node] if {"env", "resources"} & node.keys() and "name" in node else []
+    return found + [c for value in node.values() for c in containers_in(value)]
+
+
+def device_and_threads(container: Doc) -> tuple[str | None, int | None]:
+    env = {e["name"]: e.get("value") for e in container.get("env") or []}
+    threads = env.get("PREDICTOR_THREADS")
+    return env.get("PREDICTOR_DEVICE"), None if threads is None else int(threads)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_cpu_by_default_gpu_only_in_the_gpu_overlay(target: str) -> None:
+    """The CPU build is the default deployment: nvidia.com/gpu and PREDICTOR_DEVICE=cuda appear
+    in overlays/gpu and nowhere else (nor in anything built on it)."""
+    docs = build(target)
+    devices = {device_and_threads(c)[0] for d in docs for c in containers_in(d)} - {None}
+    asks_gpu = "nvidia.com/gpu" in yaml.safe_dump_all(docs)
+    if target == "gpu":
+        assert devices == {"cuda"} and asks_gpu
+    else:
+        assert "cuda" not in devices and not asks_gpu, (devices, asks_gpu)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_threads_fit_the_cpu_limit(target: str) -> None:
+    """PREDICTOR_THREADS = the CPU limit less the core left to serving (config.SERVING_CORES):
+    in a container the default would count every core of the node (os.sched_getaffinity)."""
+    from predictor.config import SERVING_CORES
+
+    docs = build(target)
+    for container in containers_in(docs):
+        limit = ((container.get("resources") or {}).get("limits") or {}).get("cpu")
+        _, threads = device_and_threads(container)
+        if limit is None and threads is None:
+            continue  # e.g. a model spec that takes the runtime's env and resources
+        assert limit is not None and threads is not None, container["name"]
+        assert threads == max(1, int(limit) - SERVING_CORES), (container["name"], limit, threads)
+
+
 def test_runtime() -> None:
     (rt,) = runtimes()
     spec = rt["spec"]
@@ -90,7 +135,7 @@ def test_model_format_with_storage_uri_runs_the_runtime(target: str) -> None:
     # KServe fills {{.Name}}: served under the InferenceService's name, probed on that route
     assert container["args"][0] == "--model-name=gptq-predictor"
     assert container["readinessProbe"]["httpGet"]["path"] == "/v2/models/gptq-predictor/ready"
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == "1"
+    assert "nvidia.com/gpu" not in container["resources"]["requests"]  # CPU: the runtime's own
 
 
 def test_standard_mode_serves_rest_and_grpc_and_scales_with_keda() -> None:

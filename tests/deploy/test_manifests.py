@@ -110,8 +110,10 @@ def test_base() -> None:
     ]
     assert c["ports"] == [{"containerPort": 8080, "name": "http1", "protocol": "TCP"}]
     assert env(doc)["STORAGE_URI"].startswith("s3://")  # KServe mounts it at /mnt/models
-    for kind in ("requests", "limits"):
-        assert c["resources"][kind]["nvidia.com/gpu"] == "1"
+    # the CPU build, the one that has run: no GPU, no cuda, Guaranteed QoS (requests = limits)
+    assert env(doc)["PREDICTOR_DEVICE"] == "cpu"
+    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert c["resources"]["requests"] == c["resources"]["limits"]
     probes = {k: c[k]["httpGet"] for k in ("readinessProbe", "livenessProbe", "startupProbe")}
     ready = "/v2/models/smollm2-135m-instruct-gptq/ready"  # the model's route, false on drain
     assert probes == {
@@ -123,15 +125,24 @@ def test_base() -> None:
 
 
 def test_dev_runs_on_cpu_with_the_baked_in_model() -> None:
-    doc = isvc("dev")
+    doc, base = isvc("dev"), isvc("base")
     c, p = container(doc), predictor(doc)
-    assert c["image"] == f"{IMAGE}:0.1.0-cpu-dev"
+    assert c["image"] == f"{IMAGE}:0.1.0-dev"
     assert c["args"][:2] == ["--model-dir", "/opt/models/smollm2-135m-instruct-gptq"]
     assert "STORAGE_URI" not in env(doc)
-    assert env(doc)["PREDICTOR_DEVICE"] == "cpu"
-    assert c["resources"]["requests"] == {"cpu": "2", "memory": "1536Mi"}
-    assert "nvidia.com/gpu" not in json.dumps(c["resources"])
+    assert env(doc) == {k: v for k, v in env(base).items() if k != "STORAGE_URI"}
+    assert c["resources"] == container(base)["resources"]
     assert (p["minReplicas"], p["maxReplicas"]) == (1, 1)
+
+
+def test_gpu_is_the_only_overlay_with_a_gpu() -> None:
+    doc, base = isvc("gpu"), isvc("base")
+    c = container(doc)
+    assert c["image"] == f"{IMAGE}:0.1.0-gpu"
+    assert env(doc) == env(base) | {"PREDICTOR_DEVICE": "cuda", "PREDICTOR_THREADS": "3"}
+    assert c["resources"]["requests"] == c["resources"]["limits"]
+    assert c["resources"]["limits"] == {"cpu": "4", "memory": "4Gi", "nvidia.com/gpu": "1"}
+    assert "not yet run on a GPU" in (MANIFESTS / "overlays/gpu/README.md").read_text()
 
 
 def test_gpu_autoscales_on_concurrency() -> None:
@@ -158,22 +169,22 @@ def without(doc: Isvc, *paths: KeyPath) -> Isvc:
 
 
 def test_canary_changes_only_image_traffic_and_tag_routing() -> None:
-    canary, gpu = isvc("canary"), isvc("gpu")
+    canary, base = isvc("canary"), isvc("base")
     assert predictor(canary)["canaryTrafficPercent"] == 10
-    assert container(canary)["image"] == f"{IMAGE}:0.2.0" != container(gpu)["image"]
+    assert container(canary)["image"] == f"{IMAGE}:0.2.0" != container(base)["image"]
     tag = ("metadata", "annotations", "serving.kserve.io/enable-tag-routing")
     assert node_at(canary, tag) == "true"
     image = (*C0, "image")
-    assert without(canary, tag, P + ("canaryTrafficPercent",), image) == without(gpu, image)
+    assert without(canary, tag, P + ("canaryTrafficPercent",), image) == without(base, image)
 
 
 def test_grpc_is_a_second_service_on_h2c() -> None:
-    grpc, gpu = isvc("grpc"), isvc("gpu")
+    grpc, base = isvc("grpc"), isvc("base")
     assert grpc["metadata"]["name"] == "gptq-predictor-grpc"
     assert container(grpc)["ports"] == [{"containerPort": 8081, "name": "h2c", "protocol": "TCP"}]
     assert container(grpc)["readinessProbe"]["httpGet"]["port"] == 8080  # numeric: allowed
     strip = (("metadata", "name"), (*C0, "ports"))
-    assert without(grpc, *strip) == without(gpu, *strip)
+    assert without(grpc, *strip) == without(base, *strip)
 
 
 # ---- the validator rejects what a cluster would ----------------------------------------------
@@ -273,6 +284,12 @@ def test_dockerfile_pins_equal_the_makefile() -> None:
     assert "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in cpu
     assert "TORCH_PIN=torch==2.14.1 " in gpu
     assert f'ARG NODEPS_PINS="{makefile_var("NODEPS_PINS")}"' in builder
+    # `make image` downloads the Makefile's torch pin into image-wheels/; the builder installs a
+    # wheel of the pinned version from there, else from the index
+    image = re.search(r"^image:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M)
+    assert image and "pip download -q --no-deps $(TORCH_PIN) -d image-wheels" in image[1]
+    assert "COPY pyproject.toml image-wheel[s] /tmp/wheels/" in builder
+    assert 'set -- /tmp/wheels/torch-"${TORCH_PIN#torch==}"[+-]*.whl' in builder
     steps = [
         builder.index('pip install --index-url "$TORCH_INDEX_URL" "$TORCH_PIN"'),
         builder.index('pip install . "$TORCH_PIN"'),
@@ -283,6 +300,7 @@ def test_dockerfile_pins_equal_the_makefile() -> None:
 
 def test_dockerfile_runtime() -> None:
     text = (ROOT / "Dockerfile").read_text()
+    assert re.findall(r"^ARG VARIANT=(\S+)$", text, re.M) == ["cpu"]  # the build that has run
     assert "ARG CPU_BASE_IMAGE=python:3.11-slim" in text
     assert re.search(r"ARG GPU_BASE_IMAGE=nvidia/cuda:[\d.]+-runtime-ubuntu", text)
     assert "python3.11 python3.11-venv" in stages()["base-gpu"]
