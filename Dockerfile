@@ -1,9 +1,13 @@
 # syntax=docker/dockerfile:1
 # gptq-predictor: KServe custom predictor image (V2 REST on 8080, gRPC on 8081).
 #
-#   GPU (default):        docker build -t ghcr.io/gptq-predictor/gptq-predictor:0.1.0 .
-#   CPU:                  docker build --build-arg VARIANT=cpu -t ghcr.io/gptq-predictor/gptq-predictor:0.1.0-cpu .
-#   dev (model baked in): docker build --build-arg VARIANT=cpu --target dev -t ghcr.io/gptq-predictor/gptq-predictor:0.1.0-cpu-dev .
+#   CPU (default):        docker build -t ghcr.io/gptq-predictor/gptq-predictor:0.1.0 .
+#   GPU (never run yet):  docker build --build-arg VARIANT=gpu -t ghcr.io/gptq-predictor/gptq-predictor:0.1.0-gpu .
+#   dev (model baked in): docker build --target dev -t ghcr.io/gptq-predictor/gptq-predictor:0.1.0-dev .
+#
+# The CPU image is the one built and run (`make image image-test`, docs/deployment.md): there
+# with buildah on a Debian 12 base made by debootstrap (CPU_BASE_IMAGE), torch from a wheel that
+# `make image` puts in image-wheels/. The GPU variant has never been built nor run on a GPU.
 #
 # The pins are the Makefile's (TORCH_PIN, NODEPS_PINS); tests/deploy/test_manifests.py checks
 # that they stay equal. Python 3.11 in both variants (pyproject: requires-python >=3.11,<3.12).
@@ -14,8 +18,12 @@
 # torch/triton kernels. For the compiled CUDA kernels build with
 #   --build-arg GPU_BASE_IMAGE=nvidia/cuda:12.8.1-devel-ubuntu24.04
 
-ARG VARIANT=gpu
+ARG VARIANT=cpu
 ARG GPU_BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+# Any Debian-like image with python3.11 and its venv module: python:3.11-slim, or a Debian 12
+# (bookworm) root made by debootstrap with python3.11, python3.11-venv, python3.11-dev, passwd
+# (`make image`). The headers are needed: sdists build against them, and so do the kernels
+# gptqmodel compiles at run time.
 ARG CPU_BASE_IMAGE=python:3.11-slim
 
 # ---- per-variant base: Python 3.11 in a venv at /opt/venv, and which torch to install --------
@@ -49,7 +57,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN pip install --upgrade pip
 # 1. torch first, pinned, in its own step: an unpinned torch pulls a multi-GB CUDA build.
-RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_PIN" \
+#    A wheel of exactly the pinned version in image-wheels/ (`make image` puts one there, for
+#    builders that reach PyPI but not TORCH_INDEX_URL) is installed instead, its dependencies
+#    from PyPI; without the folder (a plain `docker build`) the glob copies nothing.
+COPY pyproject.toml image-wheel[s] /tmp/wheels/
+RUN set -- /tmp/wheels/torch-"${TORCH_PIN#torch==}"[+-]*.whl \
+    && if [ -f "$1" ]; then pip install "$1"; \
+       else pip install --index-url "$TORCH_INDEX_URL" "$TORCH_PIN"; fi \
+    && rm -rf /tmp/wheels \
     && python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '${TORCH_PIN#torch==}')"
 # 2. the project (non-editable). Repeating the torch pin makes pip fail rather than swap torch.
 WORKDIR /src

@@ -65,9 +65,32 @@ LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 TOOLS := .tools
 PROMETHEUS_TOOLS := $(CURDIR)/$(TOOLS)/prometheus/usr/bin
 
+# `make image`: the CPU image (the Dockerfile's default), built with buildah (root; no daemon, no
+# registry: base images cannot be pulled here) on a Debian 12 base made by debootstrap, which
+# gives Python 3.11 as python:3.11-slim would. torch comes from a wheel `pip download` puts in
+# image-wheels/ (this machine's pip config finds it; download.pytorch.org is not reachable). The
+# vfs storage (several GiB) lives in IMAGE_STORE. The builder's CA bundle is mounted over the
+# image's while it builds, for an egress proxy's CA; it does not stay in the image.
+# VARIANT=cpu is passed although it is the default: buildah 1.28 (Debian 12) skips the stage
+# `FROM base-${VARIANT}` names unless the argument is given.
+# `make image-test`: tools/image_smoke.py runs the image and asks it for Paris (docs/deployment.md).
+# Both use the venv of `make install` (pip download, the smoke test's clients); run that first.
+# `make image-gpu`: the GPU variant with docker, never run on a GPU yet.
 IMAGE ?= ghcr.io/gptq-predictor/gptq-predictor:0.1.0
+IMAGE_STORE ?= /var/tmp/gptq-predictor-image
+IMAGE_MIRROR ?= http://deb.debian.org/debian
+IMAGE_CA_BUNDLE ?= /etc/ssl/certs/ca-certificates.crt
+IMAGE_BASE := localhost/debian-python3.11:bookworm
+# What python:3.11-slim has and the build needs: Python 3.11 with venv (python3-distutils: a
+# dependency debootstrap does not resolve) and its headers (sdists such as pypcre build against
+# them; gptqmodel's kernels compile against them at run time), useradd (passwd).
+IMAGE_BASE_PACKAGES := ca-certificates,passwd,python3.11,python3.11-venv,python3-distutils,python3.11-dev
+IMAGE_ROOTFS := $(IMAGE_STORE)/rootfs
+IMAGE_BASE_STAMP := $(IMAGE_STORE)/base.stamp
+BUILDAH := buildah --storage-driver vfs --root $(IMAGE_STORE)/storage --runroot $(IMAGE_STORE)/run
 
-.PHONY: install install-dev model run test lint proto clean load image image-cpu bench-peers \
+.PHONY: install install-dev model run test lint proto clean load image image-test image-gpu \
+	image-clean bench-peers \
 	vllm llama-cpp llama-cpp-avx2 prometheus-tools
 
 install: $(STAMP)
@@ -174,12 +197,40 @@ else
 		$(if $(SHAPE),--shape $(SHAPE),--concurrency $(PEER_CONCURRENCY))
 endif
 
-# Where a Docker engine exists (none on the CI machines: tests/deploy checks the Dockerfile).
-image:
-	docker build -t $(IMAGE) .
+# The image targets (what and why: the comment above IMAGE). Not in CI: a release check, as root
+# (docs/deployment.md); tests/deploy checks the Dockerfile statically.
+$(IMAGE_BASE_STAMP):
+	rm -rf $(IMAGE_ROOTFS) && mkdir -p $(IMAGE_STORE)
+	debootstrap --variant=minbase --include=$(IMAGE_BASE_PACKAGES) \
+		bookworm $(IMAGE_ROOTFS) $(IMAGE_MIRROR)
+	rm -rf $(IMAGE_ROOTFS)/var/cache/apt/archives/*.deb $(IMAGE_ROOTFS)/var/lib/apt/lists/*
+	ctr=$$($(BUILDAH) from scratch) && mnt=$$($(BUILDAH) mount $$ctr) \
+		&& tar -C $(IMAGE_ROOTFS) -c . | tar -C $$mnt -x --numeric-owner \
+		&& $(BUILDAH) umount $$ctr \
+		&& $(BUILDAH) config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+			--cmd /bin/bash $$ctr \
+		&& $(BUILDAH) commit --rm $$ctr $(IMAGE_BASE)
+	rm -rf $(IMAGE_ROOTFS)
+	touch $@
 
-image-cpu:
-	docker build --build-arg VARIANT=cpu -t $(IMAGE)-cpu .
+image: $(IMAGE_BASE_STAMP)
+	rm -rf image-wheels && $(BIN)/pip download -q --no-deps $(TORCH_PIN) -d image-wheels
+	$(BUILDAH) build --isolation chroot --network host --pull=never \
+		$(if $(wildcard $(IMAGE_CA_BUNDLE)),--volume $(IMAGE_CA_BUNDLE):/etc/ssl/certs/ca-certificates.crt:ro) \
+		--build-arg VARIANT=cpu --build-arg CPU_BASE_IMAGE=$(IMAGE_BASE) -t $(IMAGE) .
+	rm -rf image-wheels
+	$(BUILDAH) images $(IMAGE)
+
+image-test:
+	$(BIN)/python tools/image_smoke.py --image $(IMAGE) --model-dir $(MODEL_DIR) -- $(BUILDAH)
+
+image-gpu:
+	docker build --build-arg VARIANT=gpu -t $(IMAGE)-gpu .
+
+image-clean:
+	-$(BUILDAH) rm --all
+	-$(BUILDAH) rmi --all --force
+	rm -rf $(IMAGE_STORE) image-wheels
 
 proto: install
 	$(BIN)/python tools/gen_proto.py
