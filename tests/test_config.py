@@ -20,6 +20,9 @@ BOOLEAN_FLAGS = [
     for name in BOOLEANS
     for flag in ("--" + name.replace("_", "-"), *vllm_args.FLAG_ALIASES.get(name, ()))
 ]
+# accepted for compatibility and always on: false is refused (test_batch_invariant_is_always_on)
+ALWAYS_ON = {"batch_invariant"}
+SWITCHABLE_FLAGS = [(name, flag) for name, flag in BOOLEAN_FLAGS if name not in ALWAYS_ON]
 
 
 def test_defaults_and_flags() -> None:
@@ -168,7 +171,7 @@ def test_the_boolean_settings_are_found() -> None:
     assert ("prefix_caching", "--enable-prefix-caching") in BOOLEAN_FLAGS
 
 
-@pytest.mark.parametrize(("name", "flag"), BOOLEAN_FLAGS)
+@pytest.mark.parametrize(("name", "flag"), SWITCHABLE_FLAGS)
 def test_a_boolean_flag_alone_is_true_and_its_no_form_false(name: str, flag: str) -> None:
     """vLLM's forms (argparse.BooleanOptionalAction's), each against the opposite value from the
     environment, so that neither can pass by being the default."""
@@ -186,7 +189,7 @@ def test_a_boolean_flag_alone_is_true_and_its_no_form_false(name: str, flag: str
     assert getattr(Settings.from_sources([negated, flag], {}), name) is True
 
 
-@pytest.mark.parametrize(("name", "flag"), BOOLEAN_FLAGS)
+@pytest.mark.parametrize(("name", "flag"), SWITCHABLE_FLAGS)
 def test_a_boolean_flag_still_takes_a_value(name: str, flag: str) -> None:
     """`--flag true` (how the deployments and scripts wrote them first), `--flag=off`, and each
     word of vllm_args.boolean's, in any case."""
@@ -250,3 +253,15 @@ def test_the_server_takes_boolean_flags_alone(tiny_gptq_dir: Path, tmp_path: Pat
         assert "\nvllm:num_requests_waiting" in metrics and "\nvllm:kv_cache_usage_perc" in metrics
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", server.grpc_port), timeout=5).close()
+
+
+def test_batch_invariant_is_always_on() -> None:
+    """--batch-invariant, as vLLM's users and earlier deployments write it, is accepted in
+    every true form; determinism cannot be turned off, so false is refused, naming why."""
+    for argv, env in (([], {}), (["--batch-invariant"], {}), (["--batch-invariant", "true"], {}),
+                      ([], {"PREDICTOR_BATCH_INVARIANT": "1"})):  # fmt: skip
+        assert Settings.from_sources(argv, env).batch_invariant is True
+    for argv, env in ((["--no-batch-invariant"], {}), (["--batch-invariant=false"], {}),
+                      ([], {"PREDICTOR_BATCH_INVARIANT": "off"})):  # fmt: skip
+        with pytest.raises(ValueError, match="determinism is always on"):
+            Settings.from_sources(argv, env)
