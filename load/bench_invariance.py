@@ -50,14 +50,18 @@ async def tokens(made: Any, prompt: str, params: Any, rid: str) -> list[int]:
     return out
 
 
-async def rate(made: Any, concurrency: int, tag: str) -> float:
+async def rate(made: Any, concurrency: int, tag: str, waves: int = 1) -> float:
+    """Tokens/s of `waves` waves of `concurrency` requests at once, each prompt new (with
+    speculation on, how much a text drafts depends on the text: C=1 runs several prompts in
+    turn, so that one text's repetitiveness does not decide the figure)."""
     from predictor.types import SamplingParams
 
     params = SamplingParams(max_tokens=96, ignore_eos=True)
-    started = time.perf_counter()
-    runs = [tokens(made, f"Tell me about {tag} item {i}.", params, f"r{i}")
-            for i in range(concurrency)]  # fmt: skip
-    made_tokens = sum(len(t) for t in await asyncio.gather(*runs))
+    started, made_tokens = time.perf_counter(), 0
+    for wave in range(waves):
+        runs = [tokens(made, f"Tell me about {tag} item {wave}-{i}.", params, f"r{wave}-{i}")
+                for i in range(concurrency)]  # fmt: skip
+        made_tokens += sum(len(t) for t in await asyncio.gather(*runs))
     return made_tokens / (time.perf_counter() - started)
 
 
@@ -108,7 +112,8 @@ def main() -> None:
                 made = engines[mode]
                 for concurrency in (1, 16):
                     tag = f"{WORDS[round_ % len(WORDS)]}-{round_}-{int(mode)}-{concurrency}"
-                    got[f"C={concurrency}", mode] = asyncio.run(rate(made, concurrency, tag))
+                    waves = 8 if concurrency == 1 else 1
+                    got[f"C={concurrency}", mode] = asyncio.run(rate(made, concurrency, tag, waves))
                 got["ttft", mode] = asyncio.run(first_token(made, args.long_prompt))
             for key in ratios:
                 ratios[key].append(got[key, True] / got[key, False])

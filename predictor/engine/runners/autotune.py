@@ -39,7 +39,7 @@ from predictor.engine.runners.invariance import ROWWISE, row_invariant, rowwise
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 6  # of the cache file's contents and the choosing rule (6: sampled layers)
+VERSION = 7  # of the cache file's contents and the choosing rule (7: a lone kernel timed)
 ALL_LAYERS_UP_TO = 8  # rows: up to here every sampled layer is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 # The layers of a shape timed: all of them up to this many bytes of 4-bit weights (8x a core's
@@ -242,7 +242,7 @@ def _measure(
     if invariant and not built:  # none is: the module itself, one row at a time
         built[ROWWISE + "module"] = [heads[ROWWISE + "module"]()]
     choices.plans[head_name], choices.figures[head_name] = _buckets(
-        built, weight_width, generator, invariant
+        built, weight_width, generator, invariant, head_dtype
     )
     logger.info("autotune: %.1f s", time.perf_counter() - started)
     return choices
@@ -262,18 +262,21 @@ def _head_width(heads: dict[str, Callable[[], Kernel]]) -> int:
 
 
 def _buckets(
-    kernels: dict[str, list[Kernel]], k: int, generator: torch.Generator, single: bool = False
+    kernels: dict[str, list[Kernel]],
+    k: int,
+    generator: torch.Generator,
+    single: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[list[tuple[int, str]], dict[str, dict[str, float]]]:
     """The fastest of `kernels` (each a list: one per layer) at each bucket's first row count;
     `single`: the one kernel that is fastest over all buckets (the least sum of its times
     relative to each bucket's fastest), for every row count."""
     plan: list[tuple[int, str]] = []
     figures: dict[str, dict[str, float]] = {}
-    if len(kernels) == 1:  # nothing to choose
-        return [(1, next(iter(kernels)))], figures
-    order = list(kernels)
+    order = list(kernels)  # one alone is timed too: its figures are the steps' costs
+    # (step_cost.py; speculation's policy drafts only where they pay)
     for rows in BUCKETS:
-        x = (torch.randn((rows, k), generator=generator) * 0.5).to(torch.bfloat16)
+        x = (torch.randn((rows, k), generator=generator) * 0.5).to(dtype)
         timed: dict[str, float] = {}
         for name in order:
             timed[name] = _time(kernels[name], x, CUT * min(timed.values(), default=math.inf))
