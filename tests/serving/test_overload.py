@@ -101,9 +101,11 @@ def test_request_timeout_parameter(small: ServerProcess) -> None:
 
 
 def test_grpc_deadline_frees_the_row(small: ServerProcess) -> None:
+    request = infer_request("tiny", [b"Go"], max_tokens=500)
+    # no drafts: the tiny model repeats one token, whose drafts make 500 tokens in well under
+    # the deadline; one token a step, they take seconds
+    request.parameters["speculative"].bool_param = False
     with grpc.insecure_channel(small.grpc_target) as channel, pytest.raises(grpc.RpcError) as info:
-        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
-            infer_request("tiny", [b"Go"], max_tokens=500), timeout=0.3
-        )
+        pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=0.3)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_idle(small)
