@@ -200,6 +200,8 @@ endif
 # The image targets (what and why: the comment above IMAGE). Not in CI: a release check, as root
 # (docs/deployment.md); tests/deploy checks the Dockerfile statically.
 $(IMAGE_BASE_STAMP):
+	command -v buildah >/dev/null && command -v debootstrap >/dev/null \
+		|| (apt-get update -q && apt-get install -y -q buildah debootstrap)
 	rm -rf $(IMAGE_ROOTFS) && mkdir -p $(IMAGE_STORE)
 	debootstrap --variant=minbase --include=$(IMAGE_BASE_PACKAGES) \
 		bookworm $(IMAGE_ROOTFS) $(IMAGE_MIRROR)
