@@ -82,14 +82,8 @@ static inline vfw roundw(vfw x) {
 static inline vfw expw(vfw x) {
     x = maxw(x, splatw(-87.0f));
     const vfw n = roundw(x * 1.44269504088896341f);
-    const vfw r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    vfw p = splatw(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    vfw p;
+    EXP_POLYNOMIAL(x, n, p);
     const viw e = (__builtin_convertvector(n, viw) + 127) << 23;
     return p * (vfw)e;
 }

@@ -37,19 +37,28 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, as torch doe
     return (uint16_t)(u >> 16);
 }
 
+/* exp_approx's reduction and polynomial, for a float or a vector of floats (GCC's vector
+   extensions take the same expressions): x clamped, n = x / ln 2 rounded to an integer; sets
+   p, where exp(x) = p * 2^n. One text for exp_approx here and decode_attention.c's vectors. */
+#define EXP_POLYNOMIAL(x, n, p)                                                               \
+    do {                                                                                     \
+        const __typeof__(x) r_ = (x) - (n) * 0.693145751953125f                              \
+                                 - (n) * 1.428606765330187045e-06f;                          \
+        (p) = r_ * 1.9875691500e-4f + 1.3981999507e-3f;                                      \
+        (p) = (p) * r_ + 8.3334519073e-3f;                                                   \
+        (p) = (p) * r_ + 4.1665795894e-2f;                                                   \
+        (p) = (p) * r_ + 1.6666665459e-1f;                                                   \
+        (p) = (p) * r_ + 5.0000001201e-1f;                                                   \
+        (p) = (p) * r_ * r_ + r_ + 1.0f;                                                     \
+    } while (0)
+
 /* exp(x), relative error ~2e-7 on [-87, 88] (clamped outside). For x <= 0 (a softmax's
    numerators after subtracting the maximum) only the lower clamp acts. */
 static inline float exp_approx(float x) {
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
     float n = __builtin_roundf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
+    float p;
+    EXP_POLYNOMIAL(x, n, p);
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * scale.f;
