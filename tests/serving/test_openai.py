@@ -206,6 +206,10 @@ def _token_ids(tokens: list[str]) -> list[int]:
 # The tiny GPTQ model computes in bf16, and the engine's fused int4 projections round a little
 # differently from the model's own modules: a logit may differ by one bf16 step (2^-7 relative).
 BF16 = 2**-7
+# how far a served logprob may lie from the model's own in bf16: the server's default kernels
+# quantize each matmul's activations to int8 per 32 inputs (docs/engine.md), which moves a
+# far-tail logprob (-23) by up to ~1%, past bf16's 2^-7 alone
+SERVED = 2 * BF16
 
 
 def test_completion_logprobs_equal_a_direct_forward_pass(
@@ -222,7 +226,7 @@ def test_completion_logprobs_equal_a_direct_forward_pass(
     expected = _forward_logprobs(tiny_gptq, tiny_gptq.tokenizer.encode("Hello there"), ids)
     for step, token in enumerate(ids):
         assert logprobs.token_logprobs[step] == pytest.approx(
-            expected[step, token].item(), rel=BF16, abs=2e-3
+            expected[step, token].item(), rel=SERVED, abs=2e-3
         )
         assert token == int(expected[step].argmax())  # greedy
         assert logprobs.top_logprobs is not None
@@ -231,7 +235,7 @@ def test_completion_logprobs_equal_a_direct_forward_pass(
         assert set(_token_ids(list(top))) == set(want.indices.tolist())
         for key, value in top.items():
             assert value == pytest.approx(
-                expected[step, _token_ids([key])[0]].item(), rel=BF16, abs=2e-3
+                expected[step, _token_ids([key])[0]].item(), rel=SERVED, abs=2e-3
             )
     # without the vLLM option the tokens are their text
     plain = client(server).completions.create(
@@ -255,7 +259,9 @@ def test_chat_logprobs_equal_a_direct_forward_pass(
     ids = _token_ids([t.token for t in content])
     expected = _forward_logprobs(tiny_gptq, chat_prompt_ids(tiny_gptq, messages), ids)
     for step, token in enumerate(content):
-        assert token.logprob == pytest.approx(expected[step, ids[step]].item(), rel=BF16, abs=2e-3)
+        assert token.logprob == pytest.approx(
+            expected[step, ids[step]].item(), rel=SERVED, abs=2e-3
+        )
         assert len(token.top_logprobs) == 2
         assert set(_token_ids([t.token for t in token.top_logprobs])) == set(
             expected[step].topk(2).indices.tolist()

@@ -13,7 +13,7 @@ import torch
 from httpx_sse import connect_sse
 
 from predictor.model.loader import LoadedModel
-from tests.serving.test_openai import BF16, _token_ids, chat_prompt_ids, client
+from tests.serving.test_openai import SERVED, _token_ids, chat_prompt_ids, client
 from tests.support import ServerProcess
 
 PROMPT = "Hello there, how are you today"
@@ -28,7 +28,7 @@ def forward_logprobs(loaded: LoadedModel, ids: list[int]) -> torch.Tensor:
 
 
 def close(value: float | None, expected: torch.Tensor) -> bool:
-    return value == pytest.approx(expected.item(), rel=BF16, abs=2e-3)
+    return value == pytest.approx(expected.item(), rel=SERVED, abs=2e-3)
 
 
 def post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -168,7 +168,7 @@ def check_prompt_logprobs(entries: list[Any], ids: list[int], loaded: LoadedMode
         assert mine["decoded_token"] == loaded.tokenizer.decode([ids[t]])
         # the rank within what the logprob tolerance allows: near-tied tokens may swap
         mine_lp = expected[t - 1, ids[t]]
-        tol = BF16 * abs(float(mine_lp)) + 2e-3
+        tol = SERVED * abs(float(mine_lp)) + 2e-3
         assert int((expected[t - 1] > mine_lp + tol).sum()) + 1 <= mine["rank"]
         assert mine["rank"] <= int((expected[t - 1] > mine_lp - tol).sum()) + 1
 
