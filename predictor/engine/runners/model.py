@@ -75,12 +75,10 @@ class ModelRunner:
         the model's forward no longer works then. For a server, whose model only the runner
         runs.
 
-        `batch_invariant` (the default; a server never turns it off): a request's tokens do not
-        depend on what else is batched with it, on drafts being verified, on prefix-cache hits
-        or on preemption: each matmul runs one row-invariant kernel at every row count
-        (autotune.py checks which are, here), and with native attention every token attends by
-        the decode kernel's arithmetic, prompt chunks too (plan.py, `queries_as_decode`). Off
-        only for load/bench_invariance.py's baseline: the fastest kernel per row count.
+        `batch_invariant` (the default; off only for load/bench_invariance.py's baseline): a
+        row's tokens do not depend on its batch, drafts, cache hits or preemption: one
+        row-invariant kernel a matmul (autotune.py checks which, here), and every token attends
+        by the decode kernel's arithmetic (plan.py, `queries_as_decode`).
 
         `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
         thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
