@@ -35,13 +35,14 @@ def start_locust(server: ServerProcess, out: Path, users: int, *classes: str) ->
 
 
 def finish_locust(run: subprocess.Popen, out: Path, users: int) -> dict:
-    """Its exit code, output and stats rows, once it ends (90 s at most)."""
+    """Its exit code, output and stats rows, once it ends (180 s at most: three locusts start
+    at once beside the other tests on two cores)."""
     try:
-        output, _ = run.communicate(timeout=90)
+        output, _ = run.communicate(timeout=180)
     except subprocess.TimeoutExpired:
         run.kill()
         output, _ = run.communicate()
-        raise AssertionError(f"locust did not exit within 90 s: {output[-3000:]}") from None
+        raise AssertionError(f"locust did not exit within 180 s: {output[-3000:]}") from None
     with (out / f"u{users}_stats.csv").open(newline="") as handle:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(handle)}
     return {"code": run.returncode, "output": output, "rows": rows}
