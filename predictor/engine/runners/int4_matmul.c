@@ -15,7 +15,7 @@
  *   f32: x in fp32 (from bf16), each weight dequantized to fp32 and FMA'd into RB rows.
  *   i8:  x quantized per 32 inputs to int8 with a scale (llama.cpp's Q8 trick), 4 products
  *        summed per instruction into int32 (AVX-512 VNNI / AVX-VNNI dpbusd, else maddubs +
- *        madd); per 32 inputs: acc += float(dot) * scale * dx + m * sum(x).
+ *        madd); per 32 inputs: acc += float(dot) * scale * dx + m * dx * sum(q).
  * VW (8: AVX2, 16: AVX-512) and VNNI are -D constants: one build per instruction set, chosen at
  * run time by the CPU's flags; the vector mappings, the int8 rows and the tile driver are
  * native_common.h's. bf16 out. OpenMP splits the tiles over threads (in the runner: the

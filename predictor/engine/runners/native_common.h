@@ -154,26 +154,31 @@ static inline void *scratch_for(size_t bytes) {
 
 /* x [rows][k] bf16 -> int8 per block of XB inputs: q = round(x / d), d = max|x| / 127 into
    dx [rows][k / XB], stored as the byte q + offset (0, or 128: VNNI's unsigned side) into
-   xq [rows][k]; where xs is not NULL, each block's sum of x into xs [rows][k / XB]. */
+   xq [rows][k]; where xs is not NULL, each block's sum of the quantized x, d * sum(q), into
+   xs [rows][k / XB]. Of the quantized x, not of x: a 4-bit weight is s * code + m with codes
+   0..15, and its kernel adds m * xs to s * d * sum(code * q); with the sum of x itself, the
+   rounding errors of x are weighed by the codes (7.5 on average) instead of by the weights
+   (near 0), 2x the error: SmolLM2-135M's served perplexity 3% over fp32 activations'. */
 static inline void quantize_rows(const uint16_t *x, int64_t rows, int64_t k, uint8_t *xq,
                                  float *dx, float *xs, int offset) {
     const int64_t blocks = k / XB;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t b = 0; b < blocks; b++) {
-            float v[XB], amax = 0.0f, sum = 0.0f;
+            float v[XB], amax = 0.0f;
             for (int i = 0; i < XB; i++) {
                 v[i] = from_bf16(x[r * k + b * XB + i]);
                 const float a = __builtin_fabsf(v[i]);
                 amax = a > amax ? a : amax;
-                sum += v[i];
             }
             const float d = amax / 127.0f, inverse = d > 0 ? 1.0f / d : 0.0f;
+            int sum = 0;
             for (int i = 0; i < XB; i++) {
                 const int q = (int)__builtin_roundf(v[i] * inverse);
                 xq[r * k + b * XB + i] = (uint8_t)(q + offset);
+                sum += q;
             }
             dx[r * blocks + b] = d;
-            if (xs) xs[r * blocks + b] = sum;
+            if (xs) xs[r * blocks + b] = d * (float)sum;
         }
     }
 }
