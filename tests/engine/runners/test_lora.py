@@ -85,9 +85,12 @@ def test_adapted_rows_batched_with_the_base_model_get_their_own_logits(
     for i, (prompt, n, s) in enumerate(zip(prompts, nexts, slots, strict=True)):
         expected = reference_logits(tiny_dense.model, [*prompt, n], [None, *adapters][s])[-1]
         torch.testing.assert_close(stepped[i], expected, atol=2e-4, rtol=1e-4)
-    # alone: the same logits as in the mixed batch
+    # alone: the logits of the mixed batch, to fp32 rounding only. This fp32 model runs torch's
+    # matmuls (MKL's sgemm), whose last bits move with the row count and even with a row's
+    # address on AVX2 (1.0e-5 under emulate.avx2_only, 1.8e-5 on a Zen 3; MKL_CBWR does not
+    # hold them across row counts): bit for bit is the native kernels' promise, tested below
     alone = runner.forward([StepRow(tables[2], len(prompts[2]), [nexts[2]], True, adapter=2)])
-    torch.testing.assert_close(alone[0], stepped[2], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(alone[0], stepped[2], atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["bf16", "int8"])
