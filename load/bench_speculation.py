@@ -124,8 +124,6 @@ def ours(args: argparse.Namespace, speculative: str) -> Server:
                  "--max-batch-size", str(max(c, 16))]  # fmt: skip
         if speculative != "off" and args.num_speculative_tokens:
             extra += ["--num-speculative-tokens", str(args.num_speculative_tokens)]
-        if args.batch_invariant:  # a row's tokens the same in any batch: texts comparable at C>1
-            extra += ["--batch-invariant", "true"]
         with local_server(str(args.model_dir), MODEL, log, extra=extra) as server:
             wait_complete(log)
             yield server.base_url
@@ -228,8 +226,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--rounds", type=int, default=1,
                         help="ours off and on, this many times in alternating order")  # fmt: skip
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="both of our servers with --batch-invariant")  # fmt: skip
     return parser.parse_args()
 
 
