@@ -7,6 +7,8 @@ This is the only module that looks at argv or the environment; everything else r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -56,6 +58,24 @@ OTEL_ENV = {
 SERVING_CORES = 1  # cores the default thread count leaves to serving (Settings.torch_threads)
 
 
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """The CPUs this process may use: its affinity, capped by its cgroup's CPU quota (v2
+    `cpu.max`, v1 `cpu.cfs_quota_us`; a container's limit), rounded up."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quotas = (
+        (cgroup / "cpu.max", None),
+        (cgroup / "cpu" / "cpu.cfs_quota_us", "cpu.cfs_period_us"),
+    )
+    for path, period_name in quotas:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            words = path.read_text().split()
+            period = path.with_name(period_name).read_text() if period_name else words[1]
+            if words[0] not in ("max", "-1"):
+                cpus = min(cpus or 1, math.ceil(int(words[0]) / int(period)))
+            break
+    return max(1, cpus or 1)
+
+
 @dataclass(frozen=True)
 class Settings:
     model_dir: Path = DEFAULT_MODEL_DIR
@@ -67,7 +87,7 @@ class Settings:
     ssl_certfile: str = ""  # REST over HTTPS with this certificate and key (vLLM's flags)
     ssl_keyfile: str = ""
     enable_grpc: bool = True
-    threads: int = 0  # 0: every core this process may use but one (SERVING_CORES)
+    threads: int = 0  # 0: every CPU this process may use (usable_cpus) but one
     device: str = "auto"  # auto | cpu | cuda
     runner: str = "model"  # model | null (no forward pass: benchmarks the serving stack)
     # one of KERNELS; auto is gptqmodel's choice: TorchAtenLinear on a CPU, the fastest measured
@@ -128,14 +148,14 @@ class Settings:
 
     @property
     def torch_threads(self) -> int:
-        """--threads, or the cores this process may use less SERVING_CORES (at least one): the
-        event loop, HTTP and gRPC need a core of their own, as vLLM-CPU reserves one. On 2 cores,
-        2 compute threads gave 0.51x the tokens/s of 1 at C=1 and 0.97x at C=16
-        (load/bench_threads.py, load/RESULTS.md)."""
+        """--threads, or the CPUs this process may use (`usable_cpus`: a container's CPU limit,
+        not the node's cores) less SERVING_CORES, at least one: the event loop, HTTP and gRPC
+        need a core of their own, as vLLM-CPU reserves one. On 2 cores, 2 compute threads gave
+        0.51x the tokens/s of 1 at C=1 and 0.97x at C=16 (load/bench_threads.py,
+        load/RESULTS.md)."""
         if self.threads > 0:
             return self.threads
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        return max(1, cores - SERVING_CORES)
+        return max(1, usable_cpus() - SERVING_CORES)
 
     @classmethod
     def from_sources(cls, argv: Sequence[str], env: Mapping[str, str]) -> Settings:
@@ -235,7 +255,8 @@ _HELP = {
     "ssl_keyfile": "the private key of --ssl-certfile (PEM)",
     "grpc_port": "gRPC port",
     "enable_grpc": "serve gRPC",
-    "threads": "compute threads (0: the cores available to the process but one, at least 1)",
+    "threads": "compute threads (0: the CPUs the process may use, its container's CPU limit, "
+    "but one; at least 1)",
     "device": "auto, cpu or cuda",
     "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
     "(measures everything around the model; benchmarks only)",

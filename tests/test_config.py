@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from load.random_lora import write_adapter
-from predictor import vllm_args
-from predictor.config import Settings, build_parser
+from predictor import config, vllm_args
+from predictor.config import Settings, build_parser, usable_cpus
 from predictor.model.layout import served_name
 from tests.support import ServerProcess
 
@@ -90,10 +90,30 @@ def test_kernel_forces_a_runner_kernel_and_the_autotune_cache_is_a_folder() -> N
 def test_the_default_thread_count_leaves_one_core_to_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for cores, threads in ((1, 1), (2, 1), (16, 15)):
-        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+    for cpus, threads in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr(config, "usable_cpus", lambda n=cpus: n)
         assert Settings().torch_threads == threads
     assert Settings(threads=2).torch_threads == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity: Linux")
+def test_usable_cpus_are_the_affinity_capped_by_the_cgroup_quota(tmp_path: Path) -> None:
+    """A container's CPU limit, not the node's cores: a pod limited to 2 CPUs on a 64-core
+    node that ran 63 compute threads would be throttled every period."""
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cpus(tmp_path) == affinity  # no cgroup files: the affinity
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert usable_cpus(tmp_path) == affinity
+    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: rounded up
+    assert usable_cpus(tmp_path) == min(affinity, 2)
+    (tmp_path / "cpu.max").unlink()
+    v1 = tmp_path / "cpu"
+    v1.mkdir()
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert usable_cpus(tmp_path) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert usable_cpus(tmp_path) == affinity
 
 
 @pytest.mark.parametrize(

@@ -18,37 +18,19 @@ What bounds the demoted threads is the caller's cap on jobs in flight (`--max-gr
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from pathlib import Path
 from typing import Any, Generic, TypeVar
+
+from predictor.config import usable_cpus
 
 T = TypeVar("T")
 
 DEMOTED_NICENESS = 19  # a job past its quantum while others wait: the lowest priority
-
-
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The CPUs this process may use: its affinity, capped by its cgroup's CPU quota (v2
-    `cpu.max`, v1 `cpu.cfs_quota_us`; a container's limit), rounded up."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quotas = (
-        (cgroup / "cpu.max", None),
-        (cgroup / "cpu" / "cpu.cfs_quota_us", "cpu.cfs_period_us"),
-    )
-    for path, period_name in quotas:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            words = path.read_text().split()
-            period = path.with_name(period_name).read_text() if period_name else words[1]
-            if words[0] not in ("max", "-1"):
-                cpus = min(cpus or 1, math.ceil(int(words[0]) / int(period)))
-            break
-    return max(1, cpus or 1)
 
 
 def default_threads() -> int:

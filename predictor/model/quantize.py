@@ -34,6 +34,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from predictor.config import usable_cpus
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import (
     QualityReport,
@@ -342,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="auto",
         help="dtype of the calibration forwards (auto: bf16 where it is clearly faster than fp32)",
     )
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--threads", type=int, default=usable_cpus())
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
     if args.source is not None:  # refused now, before torch and the weights are loaded

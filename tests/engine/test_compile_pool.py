@@ -8,16 +8,15 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
+from predictor.config import usable_cpus
 from predictor.engine.compile_pool import (
     DEMOTED_NICENESS,
     CompilePool,
     Job,
     default_threads,
-    usable_cpus,
 )
 
 NICENESS = 10
@@ -127,20 +126,5 @@ def test_the_errors_of_a_job_are_its_callers(pools: Callable[..., CompilePool]) 
         job.done.result(5)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity: Linux")
-def test_usable_cpus_are_the_affinity_capped_by_the_cgroup_quota(tmp_path: Path) -> None:
-    affinity = len(os.sched_getaffinity(0))
-    assert usable_cpus(tmp_path) == affinity  # no cgroup files: the affinity
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert usable_cpus(tmp_path) == affinity
-    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: rounded up
-    assert usable_cpus(tmp_path) == min(affinity, 2)
-    (tmp_path / "cpu.max").unlink()
-    v1 = tmp_path / "cpu"
-    v1.mkdir()
-    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    assert usable_cpus(tmp_path) == 1
-    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    assert usable_cpus(tmp_path) == affinity
+def test_compiles_leave_one_usable_cpu_to_decoding() -> None:
     assert default_threads() == max(1, usable_cpus() - 1)
