@@ -11,11 +11,13 @@ recipe than the one quality.json says the checkpoint was built with. Progress is
 and, while quantizing, per layer, with the time elapsed and an estimate of what is left
 (predictor.model.progress); quality.json records both quality figures and the phases' seconds.
 
-`python -m predictor.model.quantize --source HF_FOLDER --out DIR` does the same for a user's own
-fp16/bf16/fp32 checkpoint of any family the server serves (config.MODEL_TYPES): refused in a
-moment when it is not one, then GPTQ (group 128 symmetric by default, as the Hub's checkpoints
-are), calibrated on every project text plus calibration_extra.txt (tables, lists, legal and
-technical prose), scored against the source and installed only within the bar.
+`python -m predictor.model.quantize --source HF_FOLDER_OR_GGUF --out DIR` does the same for a
+user's own fp16/bf16/fp32 checkpoint, or GGUF file (dequantized to bf16 first: gguf_source.py),
+of any family the server serves (config.MODEL_TYPES): refused in a moment when it is not one,
+then GPTQ (group 128 symmetric by default, as the Hub's checkpoints are), calibrated on every
+project text plus calibration_extra.txt (tables, lists, legal and technical prose), scored
+against the source and installed only within the bar. A build the bar refuses is kept at
+DIR.rejected with its report; `--accept-rejected DIR.rejected` installs it (builds.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import contextlib
 import json
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +36,15 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from predictor.config import usable_cpus
+from predictor.model.builds import (
+    QUALITY_FILE,
+    WORST_MODULES,
+    accept_rejected,
+    install,
+    keep_rejected,
+    worst_modules,
+    write_report,
+)
 from predictor.model.env import prepare_environment
 from predictor.model.evaluate import (
     QualityReport,
@@ -42,6 +52,7 @@ from predictor.model.evaluate import (
     format_report,
     tokens_available,
 )
+from predictor.model.gguf_source import export_gguf, is_gguf, read_gguf
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
 from predictor.model.precision import calibration_dtype
 from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
@@ -54,13 +65,17 @@ from predictor.model.recipe import (
     source_texts,
 )
 from predictor.model.source import export_gguf_to_fp32, gguf_location
-from predictor.model.source_checks import SERVED_TOKENS, check_source, served_quality
+from predictor.model.source_checks import (
+    SERVED_TOKENS,
+    check_source,
+    has_chat_template,
+    served_quality,
+)
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
 FP_NAME = "smollm2-135m-instruct-fp"
 QUALITY_QUESTION = "What is the capital of France?"
 QUALITY_ANSWER = "Paris"
-QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
 MAX_RATIO = 1.10  # the highest GPTQ / fp perplexity ratio on the test text `make model` accepts
 # What the GPTQ phase takes, measured (load/RESULTS.md: "make model profile", "Fresh clone").
 TYPICAL_MINUTES = (
@@ -115,17 +130,25 @@ def is_fp_built(out: Path) -> bool:
     )
 
 
-def check_quality(report: QualityReport, max_ratio: float) -> None:
-    """SystemExit with the figures when the perplexity ratio is missing or past the bar."""
+def quality_refusal(report: QualityReport, max_ratio: float) -> str | None:
+    """Why the gate refuses the checkpoint (the perplexity ratio missing or past the bar), with
+    the figures; None where it passes."""
     if report.ratio is None or report.reference is None:
-        raise SystemExit("quality gate: the checkpoint was not compared with a reference")
+        return "quality gate: the checkpoint was not compared with a reference"
     if not report.ratio <= max_ratio:
-        raise SystemExit(
+        return (
             f"quality gate failed: perplexity ratio {report.ratio:.3f} on the test text "
             f"(GPTQ {report.checkpoint.perplexity:.2f} / fp {report.reference.perplexity:.2f}) "
-            f"is past the bar {max_ratio:.2f}; the checkpoint was not installed "
-            f"(the bar is MAX_PPL_RATIO for make model, --max-ratio here)"
+            f"is past the bar {max_ratio:.2f} (MAX_PPL_RATIO for make model, --max-ratio here)"
         )
+    return None
+
+
+def check_quality(report: QualityReport, max_ratio: float) -> None:
+    """SystemExit with the figures when the gate refuses the checkpoint."""
+    refusal = quality_refusal(report, max_ratio)
+    if refusal is not None:
+        raise SystemExit(f"{refusal}; the checkpoint was not installed")
 
 
 def gate(report: QualityReport, max_ratio: float, shown_as: Path | None = None) -> QualityReport:
@@ -172,7 +195,7 @@ def build_default_model(
             progress.say(f"[model] 1/4 dequantizing {gguf_file} to fp32: {fp_out}")
             with timed_phase(phases, "export", progress, Path(tmp) / "export.log"):
                 export_gguf_to_fp32(folder, gguf_file, Path(tmp) / "fp32")
-            _install(Path(tmp) / "fp32", fp_out)
+            install(Path(tmp) / "fp32", fp_out)
         every_text = calibration_texts()
         texts = recipe.pick(every_text)
         dtype, why = calibration_dtype(fp_out, dtype)
@@ -200,8 +223,8 @@ def build_default_model(
                  "threads": threads, "cpu": cpu_name(),
                  "seconds": {**phases, "total": time.monotonic() - started}}  # fmt: skip
         quality = {**report.to_json(), "build": build}
-        (staged / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
-        _install(staged, out)
+        write_report(staged, quality)
+        install(staged, out)
     spent = ", ".join(f"{name} {format_duration(seconds)}" for name, seconds in phases.items())
     progress.say(
         f"[model] wrote {out} in {format_duration(time.monotonic() - started)} ({spent}) "
@@ -237,12 +260,6 @@ def _torch_held_to(vector: str) -> str:
     return used if used != vector else ""
 
 
-def _install(staged: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    staged.rename(out)
-
-
 def build_from_source(
     source: Path,
     out: Path,
@@ -253,50 +270,79 @@ def build_from_source(
     console: TextIO | None = None,
     dtype: str = "auto",
 ) -> None:
-    """A user's fp checkpoint to GPTQ at `out`: quantize, score against the source, gate, install
-    (with quality.json), each phase shown with its progress."""
+    """A user's fp checkpoint folder or GGUF file to GPTQ at `out`: quantize, score against the
+    source, gate, install (with quality.json), each phase shown with its progress. A build a
+    gate refuses is kept at OUT.rejected with its report (builds.py)."""
     progress = Progress(console or sys.stdout, prefix="[quantize]  ")
     config = check_source(source, recipe.group_size)
+    templated = has_chat_template(source)
     started = time.monotonic()
     phases: dict[str, float] = {}
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gptq-build-", dir=out.parent) as tmp:
-        staged = Path(tmp) / "gptq"
+        staged, fp_source = Path(tmp) / "gptq", source
+        if is_gguf(source):
+            fp_source = Path(tmp) / "source"
+            found = read_gguf(source)
+            progress.say(
+                f"[quantize] dequantizing {source.name} ({found.model_type}, "
+                f"{found.file_type}) to a bf16 checkpoint, the build's source"
+            )
+            with timed_phase(phases, "dequantize", progress, Path(tmp) / "dequantize.log"):
+                export_gguf(source, fp_source)
+        if not templated:
+            progress.say(f"[quantize] {source} has no chat template (a base model): the "
+                         "agreement prompts are scored as plain text")  # fmt: skip
         every_text = source_texts()
         texts = recipe.pick(every_text)
-        dtype, why = calibration_dtype(source, dtype)
+        dtype, why = calibration_dtype(fp_source, dtype)
         progress.say(
             f"[quantize] 1/3 GPTQ {bits}-bit of {source} ({config['model_type']}), "
             f"{recipe.describe()}, {len(texts)} of {len(every_text)} calibration texts, "
             f"{dtype} forwards ({why}), {threads} threads"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
-            quantize_checkpoint(source, staged, texts, recipe=recipe, progress=progress,
-                                dtype=dtype, bits=bits)  # fmt: skip
+            losses = quantize_checkpoint(fp_source, staged, texts, recipe=recipe,
+                                         progress=progress, dtype=dtype, bits=bits)  # fmt: skip
         progress.say(f"[quantize] 2/3 quality against {source} (bar: test ratio <= {max_ratio})")
         with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
-            report = evaluate(staged, source, threads=threads, kernel="fp32",
-                              max_tokens=tokens_available(source),
+            report = evaluate(staged, fp_source, threads=threads, kernel="fp32",
+                              max_tokens=tokens_available(fp_source),
                               progress=evaluation_steps(progress))  # fmt: skip
-        report = gate(report, max_ratio, shown_as=out)
-        progress.say(f"[quantize] 3/3 quality as served: the server's kernels on "
-                     f"{SERVED_TOKENS} tokens of the test text, against the source")  # fmt: skip
-        with timed_phase(phases, "served", progress, Path(tmp) / "served.log"):
-            served = served_quality(staged, source, threads)
-        progress.say(f"[quantize]     served perplexity {served['perplexity']:.3f} / source "
-                     f"{served['reference']:.3f} = ratio {served['ratio']:.3f}")  # fmt: skip
-        if not served["ratio"] <= max_ratio:
-            raise SystemExit(
-                f"quality gate failed as served: ratio {served['ratio']:.3f} is past the bar "
-                f"{max_ratio:.2f}; the checkpoint was not installed"
-            )
-        seconds = {**phases, "total": time.monotonic() - started}
+        report = replace(report, checkpoint=replace(report.checkpoint, path=str(out)))
+        if report.reference is not None:  # the GGUF, not the folder it was dequantized to
+            report = replace(report, reference=replace(report.reference, path=str(source)))
+        for line in format_report(report).splitlines():
+            progress.say(f"[quantize]     {line}")
         build = {"source": str(source), "bits": bits, "recipe": asdict(recipe),
                  "calibration_dtype": dtype, "dtype_choice": why, "threads": threads,
-                 "cpu": cpu_name(), "seconds": seconds}  # fmt: skip
-        quality = {**report.to_json(), "served": served, "build": build}
-        (staged / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
-        _install(staged, out)
+                 "cpu": cpu_name(), "agreement_prompts": "chat" if templated else "plain text",
+                 "worst_modules": losses[:WORST_MODULES]}  # fmt: skip
+        quality: dict[str, Any] = {**report.to_json(), "build": build}
+        refusal = quality_refusal(report, max_ratio)
+        if refusal is None:
+            progress.say(
+                f"[quantize] 3/3 quality as served: the server's kernels on "
+                f"{SERVED_TOKENS} tokens of the test text, against the source"
+            )
+            with timed_phase(phases, "served", progress, Path(tmp) / "served.log"):
+                served = served_quality(staged, fp_source, threads)
+            progress.say(f"[quantize]     served perplexity {served['perplexity']:.3f} / source "
+                         f"{served['reference']:.3f} = ratio {served['ratio']:.3f}")  # fmt: skip
+            quality["served"] = served
+            if not served["ratio"] <= max_ratio:
+                refusal = (f"quality gate failed as served: ratio {served['ratio']:.3f} is past "
+                           f"the bar {max_ratio:.2f}")  # fmt: skip
+        build["seconds"] = {**phases, "total": time.monotonic() - started}
+        if refusal is not None:
+            kept = keep_rejected(staged, out, quality, refusal)
+            raise SystemExit(
+                f"{refusal}; the checkpoint was not installed. Kept with its report at {kept} "
+                f"(lost the most: {worst_modules(losses) or 'not recorded'}); install it as it "
+                f"is with --accept-rejected {kept}"
+            )
+        write_report(staged, quality)
+        install(staged, out)
     progress.say(
         f"[quantize] wrote {out} in {format_duration(time.monotonic() - started)} on "
         f"{cpu_name()}, {threads} threads"
@@ -307,11 +353,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m predictor.model.quantize", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="GPTQ checkpoint folder")
+    parser.add_argument("--out", type=Path, help=f"GPTQ checkpoint folder (default: {DEFAULT_OUT})")
     parser.add_argument(
         "--source",
         type=Path,
-        help="an fp transformers checkpoint folder to quantize (default: build the default model)",
+        help="an fp transformers checkpoint folder or a GGUF file to quantize (default: build "
+        "the default model)",
+    )
+    parser.add_argument(
+        "--accept-rejected",
+        type=Path,
+        metavar="OUT.rejected",
+        help="install a build a quality gate refused (kept there with its report) as it is, "
+        "at --out if given, else at its folder without .rejected; nothing is recomputed",
     )
     parser.add_argument("--bits", type=int, choices=(4, 8), default=4, help="with --source")
     parser.add_argument(
@@ -346,6 +400,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=usable_cpus())
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
+    if args.accept_rejected is not None:
+        if args.source is not None:
+            parser.error("--accept-rejected installs a build already made: no --source")
+        print(f"[quantize] installed {accept_rejected(args.accept_rejected, args.out)} as it was "
+              f"built (refused by its gate; quality.json says why)")  # fmt: skip
+        return 0
+    args.out = args.out or DEFAULT_OUT
     if args.source is not None:  # refused now, before torch and the weights are loaded
         check_source(args.source, args.group_size)
     prepare_environment(os.environ, args.hf_home)

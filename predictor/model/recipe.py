@@ -5,6 +5,7 @@ and a user's `--source` one (predictor/model/quantize.py orchestrates and gates 
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -101,8 +102,9 @@ def quantize_checkpoint(
     progress: Progress | None = None,
     dtype: str = "auto",
     bits: int = 4,
-) -> None:
+) -> list[dict[str, Any]]:
     """GPTQ-quantize an fp checkpoint folder to `bits`; writes the checkpoint and tokenizer.
+    Returns each quantized module's GPTQ loss (`module_losses`), the worst first.
 
     `group_size` overrides the recipe's (the tiny test model keeps its own). With `progress`,
     each finished layer is a step of its current phase. `dtype` is that of the calibration
@@ -125,9 +127,23 @@ def quantize_checkpoint(
         progress.phase("layer", int(model.model.config.num_hidden_layers))
         internals.set_subset_callback(model, progress)  # its subset_event(stage=..., ...)
     with vectorised_scale_search(), lean_capture(), fused_block_update():
-        model.quantize(list(texts), batch_size=recipe.batch_size)
+        log = model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))
     keep_unquantized_in(out)
     for extra in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):
         if (source / extra).is_file() and not (out / extra).is_file():
             shutil.copy(source / extra, out / extra)
+    return module_losses(log)
+
+
+def module_losses(log: Any) -> list[dict[str, Any]]:
+    """gptqmodel's quantize log ({processor: [{"layer", "module", "loss", ...}]}) as
+    [{"layer": int, "module": str, "loss": float}], the largest loss first: where the build
+    lost the most (a rejected build's report names them)."""
+    losses = []
+    for entries in (log or {}).values():
+        for entry in entries if isinstance(entries, list) else ():
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                losses.append({"layer": int(entry["layer"]), "module": str(entry["module"]),
+                               "loss": float(entry["loss"])})  # fmt: skip
+    return sorted(losses, key=lambda entry: -entry["loss"])

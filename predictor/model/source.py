@@ -29,15 +29,15 @@ def gguf_location() -> tuple[Path, str]:
     return folder, GGUF_FILE
 
 
-def export_gguf_to_fp32(folder: Path, gguf_file: str, out: Path) -> None:
-    """Dequantize the GGUF weights into a plain fp32 transformers checkpoint."""
+def export_gguf_to_fp32(folder: Path, gguf_file: str, out: Path, dtype: str = "float32") -> None:
+    """Dequantize the GGUF weights into a plain transformers checkpoint (fp32, or `dtype`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with gguf_read_once():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
         model: Any = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=gguf_file, dtype=torch.float32
+            folder, gguf_file=gguf_file, dtype=getattr(torch, dtype)
         )
     # The weights are plain tensors now; drop the GGUF marker so the model can be saved.
     model.hf_quantizer = None

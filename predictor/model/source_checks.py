@@ -11,12 +11,20 @@ from typing import Any
 
 from predictor.config import MODEL_TYPES
 from predictor.model.evaluate import TEXTS, sequence_perplexity, text_ids, tokens_available
+from predictor.model.gguf_source import is_gguf, read_gguf
 from predictor.model.served import served_perplexity
 
 
 def check_source(source: Path, group_size: int) -> dict[str, Any]:
-    """The source checkpoint's config.json, or SystemExit naming why it cannot be quantized:
-    read in a moment, before any weight is."""
+    """The source's config (a checkpoint folder's config.json; a GGUF file's metadata as its
+    model_type and widths), or SystemExit naming why it cannot be quantized: read in a
+    moment, before any weight is."""
+    if is_gguf(source):
+        found = read_gguf(source)
+        config = {"model_type": found.model_type, "hidden_size": found.hidden_size,
+                  "intermediate_size": found.intermediate_size}  # fmt: skip
+        _check_widths(source, config, group_size)
+        return config
     config_file = source / "config.json"
     try:
         config = json.loads(config_file.read_text())
@@ -36,6 +44,11 @@ def check_source(source: Path, group_size: int) -> dict[str, Any]:
         and not (source / "tokenizer_config.json").is_file()
     ):
         raise SystemExit(f"--source {source} has no tokenizer")
+    _check_widths(source, config, group_size)
+    return dict(config)
+
+
+def _check_widths(source: Path, config: dict[str, Any], group_size: int) -> None:
     widths = {"hidden_size": config.get("hidden_size"),
               "intermediate_size": config.get("intermediate_size")}  # fmt: skip
     for name, width in widths.items():
@@ -43,7 +56,21 @@ def check_source(source: Path, group_size: int) -> dict[str, Any]:
             raise SystemExit(
                 f"--group-size {group_size} does not divide {name} {width} of {source}"
             )
-    return dict(config)
+
+
+def has_chat_template(source: Path) -> bool:
+    """Whether the source (a checkpoint folder, or a GGUF file) has a chat template: the
+    build's agreement prompts are chat turns where it has one, plain text where not (a base
+    model's), and a served model answers chat completions only with one."""
+    if is_gguf(source):
+        return read_gguf(source).chat_template
+    if (source / "chat_template.jinja").is_file() or (source / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((source / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("chat_template")) if isinstance(config, dict) else False
 
 
 SERVED_TOKENS = 1024  # of the test text, one context: what the served gate scores

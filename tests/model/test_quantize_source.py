@@ -102,3 +102,34 @@ def test_source_builds_calibrate_on_every_domain() -> None:
     # interleaved: an evenly spaced pick of a third keeps the extra domains
     third = [texts[i * len(texts) // 100] for i in range(100)]
     assert any("|---" in t for t in third) or any("shall" in t for t in third)
+
+
+def test_a_refused_build_is_kept_and_installed_as_it_is_on_request(
+    qwen2_source: Path, tmp_path: Path
+) -> None:
+    """A bar no build can pass (0.5): the build is kept at OUT.rejected with its report, which
+    names the modules that lost the most; --accept-rejected installs it, recomputing nothing."""
+    out = tmp_path / "strict"
+    run = quantize("--source", str(qwen2_source), "--out", str(out), "--group-size", "64",
+                   "--texts", "8", "--threads", "1", "--max-ratio", "0.5")  # fmt: skip
+    kept = tmp_path / "strict.rejected"
+    assert run.returncode != 0 and not out.exists()
+    assert f"Kept with its report at {kept}" in run.stderr, run.stderr[-3000:]
+    assert f"--accept-rejected {kept}" in run.stderr and "lost the most: layer " in run.stderr
+    quality = json.loads((kept / QUALITY_FILE).read_text())
+    assert quality["rejected"].startswith("quality gate failed: perplexity ratio")
+    worst = quality["build"]["worst_modules"]
+    assert worst and {"layer", "module", "loss"} <= set(worst[0])
+    assert "served" not in quality  # the served gate never ran: refused before it
+    run = quantize("--accept-rejected", str(qwen2_source))
+    assert run.returncode != 0 and "not a build a gate refused" in run.stderr
+    started = time.monotonic()
+    run = quantize("--accept-rejected", str(kept))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert time.monotonic() - started < 30  # moved, not rebuilt
+    assert out.is_dir() and not kept.exists()
+    quality = json.loads((out / QUALITY_FILE).read_text())
+    assert "rejected" not in quality
+    assert quality["accepted"]["refused_for"].startswith("quality gate failed")
+    loaded = load_checkpoint(out, device="cpu", threads=1)
+    assert loaded.model.config.model_type == "qwen2"
