@@ -192,6 +192,10 @@ class TokenEvent:
     prompt: PromptEcho | None = None  # on the first event, when the request asked for it
     error_param: str | None = None
     times: RequestTimes | None = None  # on the final event of a request the engine queued
+    stop_sequence: str | None = None  # on a final event of FinishReason.STOP: the stop string
+    # on a request's first event (when not final): its prompt's tokens and those cached so far,
+    # for answers that say them before the end (Anthropic's message_start)
+    first_usage: Usage | None = None
 
     @property
     def final(self) -> bool:
@@ -208,6 +212,7 @@ class Completion:
     usage: Usage
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt: PromptEcho | None = None  # when the request asked for it (echo, prompt_logprobs)
+    stop_sequence: str | None = None  # the stop string that ended it (FinishReason.STOP)
 
 
 def run_to_end(slices: Generator[None, None, T]) -> T:

@@ -125,6 +125,7 @@ async def complete(events: Stream) -> Completion:
                     event.usage,
                     tuple(logprobs),
                     prompt,
+                    event.stop_sequence,
                 )
     finally:
         await events.aclose()

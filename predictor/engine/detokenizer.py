@@ -83,6 +83,7 @@ class IncrementalDetokenizer:
         self._stop = tuple(s for s in stop if s)
         self._pending = ""  # decoded, not yet released
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, token_id: int, check_stop: bool = True) -> str:
         """Add one generated token; return the text that may be released now.
@@ -126,8 +127,9 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         text = self._pending
         if self._stop:
-            cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
-            if cut >= 0:
+            hits = [(i, s) for s in self._stop if (i := text.find(s)) >= 0]
+            if hits:
+                cut, self.matched = min(hits, key=lambda hit: hit[0])  # the first to appear
                 self.stopped = True
                 self._pending = ""
                 return text[:cut]

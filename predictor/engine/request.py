@@ -124,9 +124,13 @@ class Request:
     def emit(
         self, text: str, token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = ()
     ) -> None:
+        first = not self.prompt_sent
         self.sink(
-            TokenEvent(self.request_id, text, token_ids, logprobs=logprobs, prompt=self._prompt())
-        )
+            TokenEvent(
+                self.request_id, text, token_ids, logprobs=logprobs, prompt=self._prompt(),
+                first_usage=self.usage if first else None,
+            )
+        )  # fmt: skip
 
     def finish(
         self,
@@ -136,8 +140,10 @@ class Request:
         token_ids: tuple[int, ...] = (),
         logprobs: tuple[TokenLogprob, ...] = (),
         error_param: str | None = None,
+        stop_sequence: str | None = None,
     ) -> None:
-        """Send the final event (once). `error_param`: the request's parameter to blame."""
+        """Send the final event (once). `error_param`: the request's parameter to blame;
+        `stop_sequence`: the stop string that ended the text (FinishReason.STOP)."""
         if self.finish_reason is not None:
             return
         self.finish_reason = reason
@@ -146,5 +152,6 @@ class Request:
             TokenEvent(
                 self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt,
                 error_param, RequestTimes(self.arrival, self.scheduled, tuple(self.preempted_at)),
+                stop_sequence,
             )
         )  # fmt: skip

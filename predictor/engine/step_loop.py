@@ -387,7 +387,10 @@ class StepLoop:
             text += request.detokenizer.flush()
             request.finish(FinishReason.EOS, text, token_ids=ids, logprobs=logprobs)
         elif request.detokenizer.stopped:
-            request.finish(FinishReason.STOP, text, token_ids=ids, logprobs=logprobs)
+            request.finish(
+                FinishReason.STOP, text, token_ids=ids, logprobs=logprobs,
+                stop_sequence=request.detokenizer.matched,
+            )  # fmt: skip
         elif generated >= request.params.max_tokens:
             text += request.detokenizer.flush()
             request.finish(FinishReason.LENGTH, text, token_ids=ids, logprobs=logprobs)

@@ -37,6 +37,10 @@ def test_text_is_released_at_the_end_when_no_stop_follows() -> None:
 def test_earliest_of_several_stops_wins() -> None:
     detok = IncrementalDetokenizer(CharDecoder(), [], ["bc", "abcd"])
     assert "".join(feed(detok, "zabcd")) == "za"
+    assert detok.matched == "bc"  # the one that ended the text (Anthropic's stop_sequence)
+    unmatched = IncrementalDetokenizer(CharDecoder(), [], ["STOP"])
+    feed(unmatched, "xx")
+    assert unmatched.matched is None
 
 
 def test_real_tokenizer_multibyte_and_stop(tokenizer_dir) -> None:  # type: ignore[no-untyped-def]
