@@ -60,6 +60,7 @@ def test_every_snippet_is_found_once() -> None:
         "openai-sdk",
         "openai-structured",
         "openai-tools",
+        "anthropic-sdk",
         "tritonclient-vllm",
         "openai-lora",
     }
@@ -116,6 +117,15 @@ def test_tool_call_snippet(server: ServerProcess) -> None:
     assert first.startswith("tool_calls get_weather {'city': ")
     assert first.endswith(("'unit': 'celsius'}", "'unit': 'fahrenheit'}"))
     assert second == "True"
+
+
+def test_anthropic_snippet(server: ServerProcess) -> None:
+    out = run([sys.executable, "-c", adapt(SNIPPETS["anthropic-sdk"], server)])
+    lines = out.splitlines()
+    assert lines[0].startswith(("end_turn ", "max_tokens 32 ["))
+    call = next(line for line in lines if line.startswith("tool_use get_weather {'city': "))
+    assert call.endswith(("'unit': 'celsius'}", "'unit': 'fahrenheit'}"))
+    assert lines[-2] == "True" and lines[-1].startswith("MessageTokensCount(input_tokens=")
 
 
 def test_lora_snippet(tiny_gptq_dir: Path, tmp_path: Path) -> None:

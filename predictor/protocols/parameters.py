@@ -8,7 +8,8 @@ here (plus its field in `types.SamplingParams` and, for a sampler term, `engine/
 Protocols: `v2` (V2 infer / infer_stream / ModelStreamInfer `parameters`), `generate` (the OIP
 generate body: `parameters` and Triton's top-level keys), `triton` (the vLLM backend's
 `sampling_parameters` JSON and one-element input tensors named like parameters, as the
-TensorRT-LLM backend takes them) and `openai` (completions and chat bodies).
+TensorRT-LLM backend takes them), `openai` (completions and chat bodies) and `anthropic`
+(Messages bodies: Anthropic's sampling fields only, `stop_sequences` the name of `stop`).
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from predictor.protocols.limits import json_text
 from predictor.types import SamplingParams
 
 Kind = Literal["integer", "number", "boolean", "stop", "string", "grammar", "bias"]
-ProtocolName = Literal["v2", "generate", "triton", "openai"]
+ProtocolName = Literal["v2", "generate", "triton", "openai", "anthropic"]
 ALL: frozenset[str] = frozenset({"v2", "generate", "triton", "openai"})
 OIP: frozenset[str] = frozenset({"v2", "generate", "triton"})
+# Anthropic's Messages take only its own sampling fields: the rows below that list it
+ANTHROPIC: frozenset[str] = frozenset({"anthropic"})
+WITH_ANTHROPIC: frozenset[str] = ALL | ANTHROPIC
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
@@ -75,19 +79,23 @@ def _number_text(value: float) -> str:
 TABLE: tuple[Parameter, ...] = (
     Parameter("max_tokens", "integer", None, "most tokens to generate (default: the server's "
               "--default-max-tokens; capped by --max-tokens-limit; OpenAI completions: 0 with "
-              "echo returns the prompt only)", low=1, tensor="INT32",
-              overrides=(("openai", (("low", 0),)),)),
+              "echo returns the prompt only; Anthropic: required)", low=1, tensor="INT32",
+              overrides=(("openai", (("low", 0),)),), protocols=WITH_ANTHROPIC),
     Parameter("temperature", "number", 0.0, "0 is greedy", low=0, high=100, tensor="FP32",
-              overrides=(("openai", (("default", 1.0), ("high", 2))),)),
+              overrides=(("openai", (("default", 1.0), ("high", 2))),
+                         ("anthropic", (("default", 1.0), ("high", 1)))),
+              protocols=WITH_ANTHROPIC),
     Parameter("top_p", "number", 1.0, "nucleus sampling mass", low=0, high=1, low_open=True,
-              tensor="FP32"),
+              tensor="FP32", protocols=WITH_ANTHROPIC),
     Parameter("top_k", "integer", 0, "sample from the k most likely tokens (0: off)", low=0,
-              tensor="INT32", overrides=(("openai", (("low", -1),)),)),  # vLLM: -1 is off too
+              tensor="INT32", overrides=(("openai", (("low", -1),)),),  # vLLM: -1 is off too
+              protocols=WITH_ANTHROPIC),
     Parameter("seed", "integer", None, "seed of the request's own generator", low=0,
               high=SEED_LIMIT, high_open=True, aliases=("random_seed",), tensor="UINT64"),
     Parameter("stop", "stop", (), f"a string or up to {MAX_STOP_STRINGS} strings that end the "
-              "text (over gRPC: a string holding a JSON list)", aliases=("stop_words",),
-              tensor="BYTES"),
+              "text (over gRPC: a string holding a JSON list; Anthropic: stop_sequences)",
+              aliases=("stop_words",), tensor="BYTES", protocols=WITH_ANTHROPIC,
+              overrides=(("anthropic", (("name", "stop_sequences"), ("field", "stop"))),)),
     Parameter("ignore_eos", "boolean", False, "keep generating past end-of-sequence tokens",
               tensor="BOOL"),
     Parameter("min_tokens", "integer", 0, "tokens before end-of-sequence or a stop string may "

@@ -1,6 +1,6 @@
 """OpenAPI descriptions of the bodies our REST routes read (KServe's app serves /openapi.json,
 which the schemathesis fuzzers read), generated from the parameter table: the OIP generate body
-with Triton's top-level keys, the V2 infer body of infer_stream, and OpenAI's bodies."""
+with Triton's top-level keys, the V2 infer body of infer_stream, OpenAI's and Anthropic's bodies."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from predictor.protocols import generate, parameters
+from predictor.protocols.anthropic import bodies as anthropic_bodies
 from predictor.protocols.openai import requests as openai_requests
 from predictor.protocols.parameters import MAX_STOP_LENGTH, MAX_STOP_STRINGS, Parameter
 from predictor.protocols.v2 import TEXT_INPUT
@@ -95,13 +96,18 @@ def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
     return schema
 
 
-def openai_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """An OpenAI body: its pydantic model's fields and the table's OpenAI keys."""
+def openai_schema(model: type[BaseModel], protocol: str = "openai") -> dict[str, Any]:
+    """An OpenAI (or Anthropic) body: its pydantic model's fields and the table's keys."""
     schema = model.model_json_schema()
     body = dict(_inline_refs(schema, schema.get("$defs", {})))
-    body["properties"] = {**body.get("properties", {}), **parameters_properties("openai")}
+    body["properties"] = {**body.get("properties", {}), **parameters_properties(protocol)}
     return body
 
 
 COMPLETION_SCHEMA = openai_schema(openai_requests.CompletionBody)
 CHAT_SCHEMA = openai_schema(openai_requests.ChatBody)
+COUNT_TOKENS_SCHEMA = openai_schema(anthropic_bodies.MessagesBody, "anthropic")
+MESSAGES_SCHEMA = {
+    **COUNT_TOKENS_SCHEMA,
+    "required": [*COUNT_TOKENS_SCHEMA.get("required", []), "max_tokens"],
+}

@@ -29,7 +29,7 @@ from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
 from predictor.serving.model import AdapterPredictor, LLMPredictor
 from predictor.serving.probe_logs import quiet_probes
-from predictor.serving.rest import completions, health, lora, oip
+from predictor.serving.rest import completions, health, lora, messages, oip
 from predictor.serving.rest.body import BodyGuard
 from predictor.serving.rest.meta import RequestMetaBinder
 from predictor.serving.rest.triton_admin import build_triton_router
@@ -222,6 +222,7 @@ class PredictorServer(ModelServer):
                 oip.build_router(self.served_model),
                 # before KServe registers its own routes: ours answer GET /v1/models in both
                 completions.build_router(self.served_model, self.model_names),
+                messages.build_router(self.served_model),
                 build_triton_router(self.served_model, self.served_models),
                 health.build_router(self.dataplane),
                 lora.build_router(

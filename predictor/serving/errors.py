@@ -3,6 +3,8 @@
 - V2 / OIP JSON (`v2_response`): `{"error": "..."}` with the table's HTTP status (429s add
   Retry-After); used by our REST routes, the body guard, and KServe's own routes (V2 infer).
 - OpenAI (`openai_response`, `openai_body`): `{"error": {"message", "type", "param", "code"}}`.
+- Anthropic (`anthropic_response`, `anthropic_body`): `{"type": "error", "error": {"type",
+  "message"}}` on the Messages routes.
 - gRPC (`grpc_status`): the table's status code and message, for interceptors, servicers and
   ModelStreamInfer's per-request `error_message`; `kserve_error` hands ours to KServe's own code
   paths (V2 infer through `LLMPredictor.predict`).
@@ -23,7 +25,9 @@ from grpc_interceptor.exceptions import GrpcException
 from starlette.responses import JSONResponse
 
 from predictor.errors import (
+    BodyTooLarge,
     EngineUnavailable,
+    Forbidden,
     InvalidRequest,
     ModelMissing,
     Overloaded,
@@ -31,6 +35,7 @@ from predictor.errors import (
     message_of,
     status_of,
 )
+from predictor.protocols.anthropic import responses as anthropic
 from predictor.protocols.openai.responses import error_body
 
 RETRY_AFTER_SECONDS = "1"
@@ -86,6 +91,30 @@ def openai_body(exc: BaseException) -> dict[str, Any]:
 
 def openai_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(openai_body(exc), status_code=status_of(exc).http, headers=headers_of(exc))
+
+
+# Anthropic's error types, by our error class (most specific first; else api_error, a 500)
+_ANTHROPIC_TYPES: tuple[tuple[type[PredictorError], str], ...] = (
+    (BodyTooLarge, "request_too_large"),
+    (InvalidRequest, "invalid_request_error"),
+    (Forbidden, "permission_error"),
+    (ModelMissing, "not_found_error"),
+    (Overloaded, "rate_limit_error"),
+    (EngineUnavailable, "overloaded_error"),
+)
+
+
+def anthropic_body(exc: BaseException) -> dict[str, Any]:
+    """Anthropic's error body for an error (also the `error` event that ends a stream)."""
+    message = message_of(_counted(exc, "anthropic"))
+    kind = next((k for cls, k in _ANTHROPIC_TYPES if isinstance(exc, cls)), "api_error")
+    return anthropic.error_body(kind, message)
+
+
+def anthropic_response(exc: BaseException) -> JSONResponse:
+    return JSONResponse(
+        anthropic_body(exc), status_code=status_of(exc).http, headers=headers_of(exc)
+    )
 
 
 def grpc_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -6,9 +6,10 @@
 - `one_prompt`: the request of a route that streams one prompt.
 - `whole`: a request's events as one final event holding the whole text (a non-streamed answer
   on a streaming route).
-- `sse` / `sse_response`: Server-Sent Events framing, and a response that waits for the first
-  event (an error before it is a JSON error with a status) and closes the streams when the
-  client leaves or the stream ends.
+- `sse`, `sse_event` / `sse_response`: Server-Sent Events framing (data only, or named: `event:
+  NAME`, as Anthropic's streams), and a response that waits for the first event (an error
+  before it is a JSON error with a status) and closes the streams when the client leaves or the
+  stream ends.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def one_prompt(requests: list[GenerateRequest], route: str) -> GenerateRequest:
 def sse(data: str | dict[str, Any]) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
     return f"data: {text}\n\n".encode()
+
+
+def sse_event(name: str, data: dict[str, Any]) -> bytes:
+    """An SSE event with its name (`event: NAME`), as Anthropic's streams send each."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 async def sse_response(

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from predictor.engine import tool_calls
 from predictor.errors import InvalidRequest
-from predictor.types import Grammar, SamplingParams
+from predictor.types import GenerateRequest, Grammar, SamplingParams
 
 MAX_TOOLS = 128
 
@@ -109,6 +109,19 @@ def _turn(i: int, message: Message) -> dict[str, Any]:
 
 def conversation(messages: Sequence[Message]) -> tuple[dict[str, Any], ...]:
     return tuple(_turn(i, m) for i, m in enumerate(messages))
+
+
+def chat_prompt(
+    request_id: str, turns: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...] | None
+) -> GenerateRequest:
+    """A conversation (and its tools) as the prompt of an engine request (chat completions and
+    Anthropic's Messages alike; each choice copies it with its own sampling)."""
+    if len(turns) == 1 and turns[0]["role"] == "user":
+        # the engine's own single-message chat path renders the same template
+        return GenerateRequest(
+            request_id, turns[0]["content"], chat=True, messages=turns, tools=tools
+        )
+    return GenerateRequest(request_id, "", chat=True, messages=turns, tools=tools)
 
 
 def tool_setup(

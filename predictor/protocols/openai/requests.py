@@ -31,6 +31,7 @@ from predictor.protocols.openai.messages import (
     NamedToolChoice,
     TextPart,
     Tool,
+    chat_prompt,
     conversation,
     tool_setup,
 )
@@ -344,15 +345,8 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
     )
     stream, include_usage = _stream_flags(parsed)
     asked = _check_prompt_logprobs(sampling, stream, echo=False)
-    messages = conversation(parsed.messages)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    if len(messages) == 1 and messages[0]["role"] == "user":
-        # the engine's own single-message chat path renders the same template
-        prompt = GenerateRequest(
-            base, messages[0]["content"], chat=True, messages=messages, tools=tools
-        )
-    else:
-        prompt = GenerateRequest(base, "", chat=True, messages=messages, tools=tools)
+    prompt = chat_prompt(base, conversation(parsed.messages), tools)
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
         _choices(base, [prompt], n, sampling, values.cache_salt, tenant=parsed.user), stream,

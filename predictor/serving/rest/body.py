@@ -26,8 +26,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from predictor.errors import BodyTooLarge, InvalidRequest, PredictorError
 from predictor.protocols.limits import check_depth, check_plain
-from predictor.serving.errors import openai_response, v2_response
-from predictor.serving.rest.routes import is_openai_path
+from predictor.serving.errors import anthropic_response, openai_response, v2_response
+from predictor.serving.rest.routes import is_anthropic_path, is_openai_path
 
 _PARSED = "predictor.parsed_body"  # scope key: the JSON value the guard parsed
 
@@ -51,7 +51,9 @@ async def read_json(request: Request) -> Any:
 
 
 def refusal(path: str, exc: PredictorError) -> JSONResponse:
-    """`{"error": ...}`, or OpenAI's error object on OpenAI's paths."""
+    """`{"error": ...}`, or OpenAI's (Anthropic's) error object on OpenAI's (Anthropic's) paths."""
+    if is_anthropic_path(path):
+        return anthropic_response(exc)
     return openai_response(exc) if is_openai_path(path) else v2_response(exc)
 
 

@@ -12,10 +12,23 @@ from fastapi import APIRouter
 MODEL_PREFIXES = ("/v2/models/{model_name}", "/v2/models/{model_name}/versions/{model_version}")
 # OpenAI's routes: KServe's prefix and what the `openai` SDK and vLLM users type
 OPENAI_PREFIXES = ("/openai/v1", "/v1")
+# Anthropic's Messages routes, under the same prefixes (ANTHROPIC_BASE_URL is the host, or the
+# host and /openai: the SDK adds /v1/messages)
+MESSAGES = "/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return any(
+        path == prefix + MESSAGES or path.startswith(prefix + MESSAGES + "/")
+        for prefix in OPENAI_PREFIXES
+    )
 
 
 def is_openai_path(path: str) -> bool:
-    return any(path.startswith(prefix + "/") for prefix in OPENAI_PREFIXES)
+    """OpenAI's routes (Anthropic's Messages, under the same prefixes, are not)."""
+    return not is_anthropic_path(path) and any(
+        path.startswith(prefix + "/") for prefix in OPENAI_PREFIXES
+    )
 
 
 def openapi_extra(

@@ -1,0 +1,262 @@
+"""An Anthropic Messages body -> the engine request the chat-completions path builds.
+
+The body is read as OpenAI's chat pieces (`protocols/openai/messages.py`): `system` and the
+messages become chat turns (`tool_use` blocks an assistant's calls, `tool_result` blocks tool
+turns), the custom tools OpenAI function tools, `tool_choice` chat's (auto, any -> required,
+tool -> a named function, none); then chat's own `conversation`, `tool_setup` (the tools'
+grammar) and `chat_prompt` build the request, so both APIs render, constrain and parse alike.
+The sampling fields are read by the parameter table (protocol `anthropic`). What this server
+cannot honour is a 400 naming it: a server tool, `thinking` enabled, an unknown field or block.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import ValidationError
+
+from predictor.errors import InvalidRequest
+from predictor.protocols import parameters
+from predictor.protocols.anthropic import bodies
+from predictor.protocols.openai import messages as chat
+from predictor.protocols.openai.validation import param_of, telling_error
+from predictor.types import GenerateRequest
+
+PROTOCOL = "anthropic"
+# `thinking` types served: the models here do not split reasoning from the answer yet, so
+# only "disabled" is (a reasoning parser adds "enabled" and "adaptive")
+THINKING_SERVED = frozenset({"disabled"})
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    """One Messages request: the engine request, and how to answer."""
+
+    id: str  # msg_...
+    model: str
+    request: GenerateRequest
+    stream: bool
+    tools: bool  # whether the answer's text is read for tool calls
+
+
+def requested_model(body: Any) -> str | None:
+    """The `model` named in a body, if any (looked up before the rest is checked)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def decode_messages(body: Any, default_max_tokens: int, counting: bool = False) -> MessagesRequest:
+    """A /v1/messages body (`counting`: a count_tokens body, where max_tokens may be left out)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    given = {k: v for k, v in body.items() if v is not None}  # JSON null: the default
+    if not counting and "max_tokens" not in given:
+        raise InvalidRequest("'max_tokens' is required", param="max_tokens")
+    refuse_server_tools(given.get("tools"))
+    table = set(parameters.names(PROTOCOL))
+    values = parameters.read(
+        {k: v for k, v in given.items() if k in table}, PROTOCOL, default_max_tokens
+    )
+    parsed = _validated({k: v for k, v in given.items() if k not in table})
+    thinking_check(parsed.thinking)
+    choice, parallel = _tool_choice(parsed.tool_choice)
+    tools, sampling = chat.tool_setup(_tools(parsed.tools), choice, parallel, values.sampling)
+    turns = chat.conversation(chat_messages(parsed.system, parsed.messages))
+    base = f"msg_{uuid.uuid4().hex[:24]}"
+    prompt = chat.chat_prompt(base, turns, tools)
+    tenant = parsed.metadata.user_id if parsed.metadata is not None else None
+    request = GenerateRequest(
+        base, prompt.prompt, sampling, chat=True, messages=prompt.messages, tools=tools,
+        cache_salt=values.cache_salt, tenant=tenant,
+    )  # fmt: skip
+    return MessagesRequest(base, parsed.model, request, bool(parsed.stream), tools is not None)
+
+
+def _validated(rest: Mapping[str, Any]) -> bodies.MessagesBody:
+    try:
+        return bodies.MessagesBody.model_validate(rest)
+    except ValidationError as exc:
+        error = telling_error(exc, bodies.FIELD_NAMES)
+        loc = error["loc"]
+        if error["type"] == "extra_forbidden":  # the unknown key itself is the last part
+            param = param_of(loc, bodies.FIELD_NAMES | {str(loc[-1])})
+            raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
+        param = param_of(loc, bodies.FIELD_NAMES)
+        if error["type"] == "union_tag_invalid":  # a content block of a type not served
+            tag = error.get("ctx", {}).get("tag")
+            raise InvalidRequest(
+                f"'{param}': a {tag!r} block is not supported by this server (text, tool_use, "
+                "tool_result, and an earlier answer's thinking)",
+                param=f"{param}.type",
+            ) from exc
+        raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
+
+
+def refuse_server_tools(tools: Any) -> None:
+    """Anthropic's server tools (web search, code execution, bash, text editor, computer use,
+    ...) run on Anthropic's side: a 400 naming them. A custom tool has no type or "custom"."""
+    if not isinstance(tools, list):
+        return
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind is not None and kind != "custom":
+            name = tool.get("name", "") if isinstance(tool, dict) else ""
+            raise InvalidRequest(
+                f"'tools[{i}]' is Anthropic's server tool '{kind}' ({name}), which this server "
+                "does not run: only custom tools (name, description, input_schema) are served",
+                param=f"tools[{i}].type",
+            )
+
+
+def thinking_check(thinking: Mapping[str, Any] | None) -> None:
+    """`thinking` {type: disabled} is accepted; any other a 400 naming it (THINKING_SERVED)."""
+    if thinking is None:
+        return
+    kind = thinking.get("type")
+    if kind not in THINKING_SERVED:
+        raise InvalidRequest(
+            f"'thinking' of type {kind!r} is not supported by this server: its models do not "
+            'split reasoning from the answer yet (send {"type": "disabled"} or leave it out)',
+            param="thinking",
+        )
+    if set(thinking) != {"type"}:
+        extra = sorted(set(thinking) - {"type"})[0]
+        raise InvalidRequest(
+            f"'thinking.{extra}' is not supported with thinking disabled", param=f"thinking.{extra}"
+        )
+
+
+def _tool_choice(
+    choice: bodies.ToolChoice | None,
+) -> tuple[Literal["none", "auto", "required"] | chat.NamedToolChoice | None, bool | None]:
+    """Anthropic's tool_choice as chat's, and whether parallel calls are allowed."""
+    if choice is None:
+        return None, None
+    parallel = (
+        None if choice.disable_parallel_tool_use is None else not (choice.disable_parallel_tool_use)
+    )
+    if choice.type == "tool":
+        if choice.name is None:
+            raise InvalidRequest(
+                "'tool_choice.name' is required with type 'tool'", param="tool_choice.name"
+            )
+        named = chat.NamedToolChoice(type="function", function=chat.NamedFunction(name=choice.name))
+        return named, parallel
+    if choice.name is not None:
+        raise InvalidRequest(
+            f"'tool_choice.name' is only for type 'tool', not {choice.type!r}",
+            param="tool_choice.name",
+        )
+    if choice.type == "none" and choice.disable_parallel_tool_use is not None:
+        raise InvalidRequest(
+            "'tool_choice.disable_parallel_tool_use' is not for type 'none'",
+            param="tool_choice.disable_parallel_tool_use",
+        )
+    return ("required" if choice.type == "any" else choice.type), parallel
+
+
+def _tools(tools: Sequence[bodies.Tool] | None) -> list[chat.Tool] | None:
+    if tools is None:
+        return None
+    return [
+        chat.Tool(
+            type="function",
+            function=chat.FunctionDefinition(
+                name=t.name, description=t.description, parameters=t.input_schema
+            ),
+        )
+        for t in tools
+    ]
+
+
+def _text(blocks: str | Sequence[bodies.TextBlock]) -> str | list[chat.TextPart]:
+    if isinstance(blocks, str):
+        return blocks
+    return [chat.TextPart(type="text", text=b.text) for b in blocks]
+
+
+def _result_text(block: bodies.ToolResultBlock) -> str:
+    """A tool_result's content as a tool turn's text; an error says so first."""
+    content = block.content
+    text = "" if content is None else content if isinstance(content, str) else (
+        "\n".join(b.text for b in content)
+    )  # fmt: skip
+    return f"Error: {text}" if block.is_error else text
+
+
+def _user_turns(i: int, blocks: Sequence[Any]) -> list[chat.Message]:
+    """A user message's blocks, in order: each tool_result a tool turn, text blocks between
+    them one user turn."""
+    out: list[chat.Message] = []
+    texts: list[chat.TextPart] = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, bodies.TextBlock):
+            texts.append(chat.TextPart(type="text", text=block.text))
+        elif isinstance(block, bodies.ToolResultBlock):
+            if texts:
+                out.append(chat.Message(role="user", content=texts))
+                texts = []
+            out.append(
+                chat.Message(role="tool", content=_result_text(block),
+                             tool_call_id=block.tool_use_id)
+            )  # fmt: skip
+        else:
+            raise InvalidRequest(
+                f"'messages[{i}].content[{j}]': a {block.type} block is only for assistant "
+                "messages",
+                param=f"messages[{i}].content[{j}]",
+            )
+    if texts:
+        out.append(chat.Message(role="user", content=texts))
+    return out
+
+
+def _assistant_turn(i: int, blocks: Sequence[Any]) -> chat.Message | None:
+    """An assistant message's text and calls as one turn (earlier thinking is left out)."""
+    texts: list[chat.TextPart] = []
+    calls: list[chat.AssistantToolCall] = []
+    for j, block in enumerate(blocks):
+        if isinstance(block, bodies.TextBlock):
+            texts.append(chat.TextPart(type="text", text=block.text))
+        elif isinstance(block, bodies.ToolUseBlock):
+            arguments = json.dumps(block.input, ensure_ascii=False)
+            calls.append(
+                chat.AssistantToolCall(
+                    id=block.id, type="function",
+                    function=chat.CalledFunction(name=block.name, arguments=arguments),
+                )
+            )  # fmt: skip
+        elif isinstance(block, bodies.ToolResultBlock):
+            raise InvalidRequest(
+                f"'messages[{i}].content[{j}]': a tool_result block is only for user messages",
+                param=f"messages[{i}].content[{j}]",
+            )
+    if not texts and not calls:
+        return None  # thinking only
+    return chat.Message(role="assistant", content=texts or None, tool_calls=calls or None)
+
+
+def chat_messages(
+    system: str | Sequence[bodies.TextBlock] | None, messages: Sequence[bodies.Message]
+) -> list[chat.Message]:
+    """`system` and the messages as chat messages, in order."""
+    out = [] if system is None else [chat.Message(role="system", content=_text(system))]
+    for i, message in enumerate(messages):
+        if isinstance(message.content, str):
+            out.append(chat.Message(role=message.role, content=message.content))
+        elif message.role == "user":
+            out.extend(_user_turns(i, message.content))
+        elif (turn := _assistant_turn(i, message.content)) is not None:
+            out.append(turn)
+    if messages[-1].role == "assistant":
+        last = len(messages) - 1
+        raise InvalidRequest(
+            f"'messages[{last}]': a last assistant message (a prefill to continue) is not "
+            "supported by this server: the answer always begins a new assistant turn",
+            param=f"messages[{last}]",
+        )
+    return out
