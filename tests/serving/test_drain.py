@@ -66,6 +66,9 @@ def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
         openai = httpx.post(f"{srv.base_url}/v1/chat/completions", json=chat, timeout=5)
         assert openai.status_code == 503  # in OpenAI's error shape
         assert set(openai.json()["error"]) == {"message", "type", "param", "code"}
+        messages = httpx.post(f"{srv.base_url}/v1/messages", json=chat, timeout=5)
+        assert messages.status_code == 503  # in Anthropic's error shape
+        assert messages.json()["error"]["type"] == "overloaded_error"
     assert events[-1]["finish_reason"] == "length"
     assert events[-1]["details"]["generated_tokens"] == 500
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from tests.serving.test_fuzz import post_non_finite
+from tests.serving.test_overload import full_queue
 from tests.support import ServerProcess
 
 # the SDK adds /v1/messages: the bare prefix is the host, KServe's is the host and /openai
@@ -267,6 +268,16 @@ def test_the_sdk_raises_its_own_errors(server: ServerProcess) -> None:
         )
     assert isinstance(refused.value.body, dict)
     assert refused.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_full_queue_is_429_rate_limit_error(small: ServerProcess) -> None:
+    with full_queue(small):
+        for stream in (False, True):
+            r = post(small, {**BASE_BODY, "stream": stream})
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(anthropic.RateLimitError):
+            client(small, "/openai").messages.create(model="tiny", max_tokens=2, messages=ASK)
 
 
 def test_what_the_edge_refuses_is_in_anthropics_shape_too(server: ServerProcess) -> None:

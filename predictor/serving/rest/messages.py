@@ -33,7 +33,10 @@ ERROR_SHAPE = '{"type": "error", "error": {"type", "message"}}'
 
 async def start_stream(model: ServedModel, request: MessagesRequest) -> Response:
     """Wait for the first event (an error before it is a JSON error), then stream events."""
-    events = model.stream(request.request, PROTOCOL)
+    try:
+        (events,) = await model.stream_all([request.request], PROTOCOL)  # refusals counted
+    except PredictorError as exc:
+        return anthropic_response(exc)
     encoder = responses.StreamEncoder(request)
 
     async def body(first: TokenEvent) -> AsyncIterator[bytes]:
