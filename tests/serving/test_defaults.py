@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -153,6 +154,42 @@ def test_tool_calls_are_one_answer_with_and_without_drafts(default_server: Serve
     answers = [ask() for _ in range(3)] + [ask(speculative=False)]
     assert answers == [answers[0]] * 4
     assert all(name == "get_weather" and "city" in args for name, args in answers[0])
+
+
+def test_anthropic_messages_is_chats_text_and_round_trips_a_tool(
+    default_server: ServerProcess,
+) -> None:
+    """The anthropic SDK on the default model: a greedy message is the chat template's greedy
+    text, whole and streamed; a forced call validates and its result gets a text answer."""
+    sdk = anthropic.Anthropic(base_url=default_server.base_url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": POEM}]
+    out = sdk.messages.create(model=NAME, max_tokens=48, messages=ask, extra_body=GREEDY)
+    (block,) = out.content
+    assert block.type == "text" and block.text == generate(default_server, POEM, **GREEDY)
+    with sdk.messages.stream(model=NAME, max_tokens=48, messages=ask, extra_body=GREEDY) as s:
+        assert "".join(s.text_stream) == block.text
+    tools: list[Any] = [{
+        "name": "get_weather", "description": "The weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]},
+    }]  # fmt: skip
+    messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    called = sdk.messages.create(
+        model=NAME, max_tokens=80, messages=messages, tools=tools, tool_choice={"type": "any"}
+    )
+    calls = [b for b in called.content if b.type == "tool_use"]
+    assert called.stop_reason == "tool_use" and calls, called
+    assert all(c.name == "get_weather" and isinstance(c.input.get("city"), str) for c in calls)
+    messages += [
+        {"role": "assistant", "content": called.content},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": c.id, "content": "18 degrees and sunny"}
+            for c in calls
+        ]},
+    ]  # fmt: skip
+    answer = sdk.messages.create(model=NAME, max_tokens=40, messages=messages, tools=tools)
+    assert answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert answer.content and answer.usage.output_tokens > 0
 
 
 @pytest.fixture(scope="module")
