@@ -217,6 +217,27 @@ def test_a_stop_sequence_ends_the_text_and_is_named(server: ServerProcess) -> No
     assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)
 
 
+def test_structured_output_validates_whole_and_streamed(server: ServerProcess) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "blue"]}, "n": {"type": "integer"}},
+        "required": ["colour", "n"],
+        "additionalProperties": False,
+    }
+    kwargs: dict[str, Any] = dict(
+        model="tiny", max_tokens=60, messages=ASK, extra_body={"temperature": 0.8},
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )  # fmt: skip
+    out = client(server).messages.create(**kwargs)
+    with client(server).messages.stream(**kwargs) as stream:
+        final = stream.get_final_message()
+    for message in (out, final):
+        (block,) = message.content
+        assert block.type == "text" and block.text.startswith("{")
+        if message.stop_reason == "end_turn":  # else cut by max_tokens: a prefix of one
+            jsonschema.validate(json.loads(block.text), schema)
+
+
 def post(server: ServerProcess, body: Any, path: str = "/v1/messages") -> httpx.Response:
     return httpx.post(f"{server.base_url}{path}", json=body, headers=HEADERS, timeout=60)
 
@@ -241,6 +262,9 @@ BASE_BODY: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "messages": ASK}
          400, "invalid_request_error", "messages[1]"),
         ({**BASE_BODY, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
          400, "invalid_request_error", "nope"),
+        ({**BASE_BODY, "output_config": {"format": {"type": "json_schema", "schema": {
+            "type": "object", "properties": {"m": {"type": "string", "format": "email"}}}}}},
+         400, "invalid_request_error", "output_config.format"),
         ({**BASE_BODY, "model": "nope"}, 404, "not_found_error", "nope"),
     ],
 )  # fmt: skip

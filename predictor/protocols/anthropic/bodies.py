@@ -90,6 +90,17 @@ class ToolChoice(Strict):
     disable_parallel_tool_use: bool | None = None
 
 
+class JSONOutputFormat(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")  # pydantic's BaseModel has a `schema`
+
+
+class OutputConfig(Strict):
+    """Structured outputs: the answer's text held to a JSON schema (`effort` is not served)."""
+
+    format: JSONOutputFormat | None = None
+
+
 class Metadata(Strict):
     user_id: Annotated[str, Field(max_length=256)] | None = None
 
@@ -103,6 +114,7 @@ class MessagesBody(Strict):
     thinking: dict[str, Any] | None = None  # checked by requests.thinking_check
     metadata: Metadata | None = None
     stream: bool | None = None
+    output_config: OutputConfig | None = None
     cache_control: CacheControl | None = None  # automatic prompt caching: ours always is
     service_tier: Literal["auto", "standard_only"] | None = None  # one tier here
 
@@ -111,7 +123,7 @@ FIELD_NAMES = frozenset(
     name
     for model in (
         CacheControl, TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-        RedactedThinkingBlock, Message, Tool, ToolChoice, Metadata, MessagesBody,
+        RedactedThinkingBlock, Message, Tool, ToolChoice, Metadata, MessagesBody, OutputConfig,
     )
     for name in model.model_fields
-)  # fmt: skip
+) | {"schema"}  # fmt: skip

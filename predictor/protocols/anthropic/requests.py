@@ -5,8 +5,9 @@ messages become chat turns (`tool_use` blocks an assistant's calls, `tool_result
 turns), the custom tools OpenAI function tools, `tool_choice` chat's (auto, any -> required,
 tool -> a named function, none); then chat's own `conversation`, `tool_setup` (the tools'
 grammar) and `chat_prompt` build the request, so both APIs render, constrain and parse alike.
-The sampling fields are read by the parameter table (protocol `anthropic`). What this server
-cannot honour is a 400 naming it: a server tool, `thinking` enabled, an unknown field or block.
+The sampling fields are read by the parameter table (protocol `anthropic`); structured outputs
+(`output_config.format`) are chat's json_schema grammar. What this server cannot honour is a
+400 naming it: a server tool, `thinking` enabled, an unknown field or block.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import ValidationError
@@ -24,7 +25,7 @@ from predictor.protocols import parameters
 from predictor.protocols.anthropic import bodies
 from predictor.protocols.openai import messages as chat
 from predictor.protocols.openai.validation import param_of, telling_error
-from predictor.types import GenerateRequest
+from predictor.types import GenerateRequest, Grammar
 
 PROTOCOL = "anthropic"
 # `thinking` types served: the models here do not split reasoning from the answer yet, so
@@ -63,8 +64,9 @@ def decode_messages(body: Any, default_max_tokens: int, counting: bool = False) 
     )
     parsed = _validated({k: v for k, v in given.items() if k not in table})
     thinking_check(parsed.thinking)
+    sampling = replace(values.sampling, grammar=output_grammar(parsed.output_config))
     choice, parallel = _tool_choice(parsed.tool_choice)
-    tools, sampling = chat.tool_setup(_tools(parsed.tools), choice, parallel, values.sampling)
+    tools, sampling = chat.tool_setup(_tools(parsed.tools), choice, parallel, sampling)
     turns = chat.conversation(chat_messages(parsed.system, parsed.messages))
     base = f"msg_{uuid.uuid4().hex[:24]}"
     prompt = chat.chat_prompt(base, turns, tools)
@@ -128,6 +130,14 @@ def thinking_check(thinking: Mapping[str, Any] | None) -> None:
         raise InvalidRequest(
             f"'thinking.{extra}' is not supported with thinking disabled", param=f"thinking.{extra}"
         )
+
+
+def output_grammar(config: bodies.OutputConfig | None) -> Grammar | None:
+    """Structured outputs (`output_config.format`): the answer's text held to the JSON schema,
+    by the same grammar as chat's response_format json_schema."""
+    if config is None or config.format is None:
+        return None
+    return Grammar("json_schema", json.dumps(config.format.schema_), "output_config.format")
 
 
 def _tool_choice(

@@ -112,6 +112,18 @@ def test_an_error_result_says_so_and_metadata_names_the_tenant() -> None:
     assert request.messages[-1] == {"role": "tool", "content": "Error: boom", "tool_call_id": "t1"}
 
 
+def test_output_config_format_is_chats_json_schema_grammar() -> None:
+    config = {"format": {"type": "json_schema", "schema": SCHEMA}}
+    grammar = decode_messages({**BODY, "output_config": config}, 64).request.params.grammar
+    assert grammar is not None and grammar.kind == "json_schema"
+    assert json.loads(grammar.text) == SCHEMA and grammar.param == "output_config.format"
+    with pytest.raises(InvalidRequest) as info:
+        decode_messages(
+            {**BODY, "output_config": config, "tools": [{"name": "f", "input_schema": {}}]}, 64
+        )
+    assert info.value.param == "output_config.format"
+
+
 def test_count_tokens_needs_no_max_tokens() -> None:
     body = {k: v for k, v in BODY.items() if k != "max_tokens"}
     assert decode_messages(body, 64, counting=True).request.messages
@@ -136,6 +148,7 @@ def test_thinking_disabled_is_the_one_served() -> None:
         ({"tool_choice": {"type": "tool"}, "tools": [{"name": "f", "input_schema": {}}]},
          "tool_choice.name"),
         ({"container": "c"}, "container"),
+        ({"output_config": {"effort": "low"}}, "output_config.effort"),
         ({"seed": 1}, "seed"),
         ({"top_k": -1}, "top_k"),
         ({"stop_sequences": [""]}, "stop_sequences"),
