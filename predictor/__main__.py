@@ -11,12 +11,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from prometheus_client import REGISTRY
 
-from predictor.config import FUSED_KERNELS, Settings
+from predictor.config import AUTOTUNE, FUSED_KERNELS, Settings
 from predictor.engine.adapters import Adapters
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
@@ -28,6 +29,7 @@ from predictor.engine.speculation import Policy, Proposer, SpeculationConfig
 from predictor.engine.step import Runner
 from predictor.engine.step_loop import StepLoop
 from predictor.errors import CheckpointError
+from predictor.model.builds import recorded_kernel
 from predictor.model.layout import resolve_checkpoint_dir, served_name
 from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
 from predictor.model.lora import Adapter, reading_adapter
@@ -41,6 +43,21 @@ from predictor.protocols.limits import Limits
 from predictor.serving.kserve_argv import hide_argv_from_kserve
 
 log = logging.getLogger("predictor")
+
+
+def serving_kernel(settings: Settings, model_dir: Path) -> Settings:
+    """--kernel as given, where it is given; by default (auto) the kernel the checkpoint's
+    build chose (its served gate found the autotune's kernels too imprecise and this one
+    within the bar: quality.json's `serve`); `autotune`: auto, whatever the build chose."""
+    if settings.kernel == AUTOTUNE:
+        return replace(settings, kernel="auto")
+    on_cpu = settings.runner != "null" and pick_device(settings.device).type == "cpu"
+    recorded = recorded_kernel(model_dir) if settings.kernel == "auto" and on_cpu else None
+    if recorded is None:  # (the build chose among the CPU's kernels)
+        return settings
+    log.info("kernel %s: chosen by the checkpoint's build (quality.json, 'serve'); "
+             "--kernel autotune for the autotune's", recorded)  # fmt: skip
+    return replace(settings, kernel=recorded)
 
 
 def build_engine(
@@ -204,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # KServe's storage initializer may leave the checkpoint one folder down
         model_dir = resolve_checkpoint_dir(settings.model_dir)
+        settings = serving_kernel(settings, model_dir)
         # One thread here: only the step loop's thread runs torch in parallel (see
         # ModelRunner.bind_thread).
         if settings.runner == "null":

@@ -26,12 +26,14 @@ DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 # the weights expanded to bf16 and prepacked for oneDNN, or int4_matmul.c with fp32 or int8
 # activations (the widest instruction set, or the one named; engine/runners/native.py).
 LOADER_KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_int8", "dequantized")
+# auto, but not the kernel a checkpoint's build recorded for it (quality.json's `serve`)
+AUTOTUNE = "autotune"
 NATIVE_ISAS = ("avx512vnni", "avx512", "avx2vnni", "avx2")  # widest first
 NATIVE_KERNELS = tuple(
     f"native_{act}{isa}" for act in ("f32", "i8") for isa in ("", *(f"_{i}" for i in NATIVE_ISAS))
 )
 FUSED_KERNELS = ("int4_op", "prepacked_bf16", *NATIVE_KERNELS)
-KERNELS = (*LOADER_KERNELS, *FUSED_KERNELS)
+KERNELS = (*LOADER_KERNELS, AUTOTUNE, *FUSED_KERNELS)
 # how decode rows attend: on a CPU native (engine/runners/native.py) or torch; on a GPU triton
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")
@@ -260,9 +262,11 @@ _HELP = {
     "device": "auto, cpu or cuda",
     "runner": "model, or null: no model, fixed logits at no cost and no end-of-sequence "
     "(measures everything around the model; benchmarks only)",
-    "kernel": "how the GPTQ Linear layers run: auto (gptqmodel's choice; on a CPU its int4 "
+    "kernel": "how the GPTQ Linear layers run: auto (the kernel the checkpoint's build chose "
+    "where its served gate chose one, else gptqmodel's choice; on a CPU its int4 "
     "layers fused, each matmul run by the kernel a short autotune measured fastest for the "
-    f"step's rows), a gptqmodel backend ({', '.join(LOADER_KERNELS[1:-1])}), dequantized "
+    "step's rows), autotune (auto without the build's choice), a gptqmodel backend"
+    f" ({', '.join(LOADER_KERNELS[1:-1])}), dequantized "
     "(expanded once at load into plain Linear layers of the model's dtype: the same numbers, 4x "
     "the weight memory), or one kernel for every fused projection: int4_op (torch's), "
     "prepacked_bf16 (oneDNN), native_f32 / native_i8 (engine/runners/int4_matmul.c, fp32 or int8 "

@@ -10,7 +10,10 @@ import datetime
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # a type only: the builds' bookkeeping loads no model code
+    from predictor.model.evaluate import QualityReport
 
 QUALITY_FILE = "quality.json"  # the build's evaluation, written into the GPTQ checkpoint
 REJECTED = ".rejected"  # OUT.rejected: a build its gate refused
@@ -26,6 +29,20 @@ def install(staged: Path, out: Path) -> None:
 
 def write_report(folder: Path, quality: dict[str, Any]) -> None:
     (folder / QUALITY_FILE).write_text(json.dumps(quality, indent=2) + "\n")
+
+
+def quality_refusal(report: QualityReport, max_ratio: float) -> str | None:
+    """Why the gate refuses the checkpoint (the perplexity ratio missing or past the bar), with
+    the figures; None where it passes."""
+    if report.ratio is None or report.reference is None:
+        return "quality gate: the checkpoint was not compared with a reference"
+    if not report.ratio <= max_ratio:
+        return (
+            f"quality gate failed: perplexity ratio {report.ratio:.3f} on the test text "
+            f"(GPTQ {report.checkpoint.perplexity:.2f} / fp {report.reference.perplexity:.2f}) "
+            f"is past the bar {max_ratio:.2f} (MAX_PPL_RATIO for make model, --max-ratio here)"
+        )
+    return None
 
 
 def rejected_path(out: Path) -> Path:
@@ -75,3 +92,15 @@ def accept_rejected(rejected: Path, out: Path | None = None) -> Path:
     write_report(rejected, quality)
     install(rejected, out)
     return out
+
+
+def recorded_kernel(checkpoint: Path) -> str | None:
+    """The kernel the checkpoint's build chose to be served with (quality.json's `serve`,
+    written where the autotune's kernels failed the served gate and a precise one passed);
+    None where it chose none or has no readable report."""
+    try:
+        quality = json.loads((checkpoint / QUALITY_FILE).read_text())
+        kernel = quality["serve"]["kernel"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return kernel if isinstance(kernel, str) else None

@@ -23,10 +23,8 @@ DIR.rejected with its report; `--accept-rejected DIR.rejected` installs it (buil
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -38,21 +36,17 @@ from typing import Any, TextIO
 from predictor.config import usable_cpus
 from predictor.model.builds import (
     QUALITY_FILE,
-    WORST_MODULES,
     accept_rejected,
     install,
-    keep_rejected,
-    worst_modules,
+    quality_refusal,
     write_report,
 )
-from predictor.model.env import prepare_environment
+from predictor.model.env import cpu_name, prepare_environment
 from predictor.model.evaluate import (
     QualityReport,
     evaluate,
     format_report,
-    tokens_available,
 )
-from predictor.model.gguf_source import export_gguf, is_gguf, read_gguf
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
 from predictor.model.precision import calibration_dtype
 from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
@@ -62,15 +56,10 @@ from predictor.model.recipe import (
     Recipe,
     calibration_texts,
     quantize_checkpoint,
-    source_texts,
 )
 from predictor.model.source import export_gguf_to_fp32, gguf_location
-from predictor.model.source_checks import (
-    SERVED_TOKENS,
-    check_source,
-    has_chat_template,
-    served_quality,
-)
+from predictor.model.source_build import build_from_source
+from predictor.model.source_checks import check_source
 
 DEFAULT_OUT = Path("models/smollm2-135m-instruct-gptq")
 FP_NAME = "smollm2-135m-instruct-fp"
@@ -128,20 +117,6 @@ def is_fp_built(out: Path) -> bool:
         and any(out.glob("*.safetensors"))
         and (out / "tokenizer.json").is_file()
     )
-
-
-def quality_refusal(report: QualityReport, max_ratio: float) -> str | None:
-    """Why the gate refuses the checkpoint (the perplexity ratio missing or past the bar), with
-    the figures; None where it passes."""
-    if report.ratio is None or report.reference is None:
-        return "quality gate: the checkpoint was not compared with a reference"
-    if not report.ratio <= max_ratio:
-        return (
-            f"quality gate failed: perplexity ratio {report.ratio:.3f} on the test text "
-            f"(GPTQ {report.checkpoint.perplexity:.2f} / fp {report.reference.perplexity:.2f}) "
-            f"is past the bar {max_ratio:.2f} (MAX_PPL_RATIO for make model, --max-ratio here)"
-        )
-    return None
 
 
 def check_quality(report: QualityReport, max_ratio: float) -> None:
@@ -229,123 +204,6 @@ def build_default_model(
     progress.say(
         f"[model] wrote {out} in {format_duration(time.monotonic() - started)} ({spent}) "
         f"on {cpu_name()}, {threads} threads"
-    )
-
-
-def cpu_name() -> str:
-    """The CPU's model name and widest vector unit ("AMD EPYC, AVX-512"); the platform otherwise."""
-    name, flags = "", set[str]()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not name:
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    name = name or platform.processor() or platform.machine()
-    held = _torch_held_to(vector)
-    name = f"{name}, {vector}" if vector else name
-    return f"{name} (torch held to {held})" if held else name
-
-
-def _torch_held_to(vector: str) -> str:
-    """The ISA torch's kernels use when ATEN_CPU_CAPABILITY holds them below the CPU's, or ""."""
-    if "ATEN_CPU_CAPABILITY" not in os.environ:
-        return ""
-    import torch
-
-    names = {"AVX512": "AVX-512", "AVX2": "AVX2"}
-    used = names.get(str(torch.backends.cpu.get_cpu_capability()), "no vector ISA")
-    return used if used != vector else ""
-
-
-def build_from_source(
-    source: Path,
-    out: Path,
-    threads: int,
-    max_ratio: float,
-    recipe: Recipe,
-    bits: int = 4,
-    console: TextIO | None = None,
-    dtype: str = "auto",
-) -> None:
-    """A user's fp checkpoint folder or GGUF file to GPTQ at `out`: quantize, score against the
-    source, gate, install (with quality.json), each phase shown with its progress. A build a
-    gate refuses is kept at OUT.rejected with its report (builds.py)."""
-    progress = Progress(console or sys.stdout, prefix="[quantize]  ")
-    config = check_source(source, recipe.group_size)
-    templated = has_chat_template(source)
-    started = time.monotonic()
-    phases: dict[str, float] = {}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="gptq-build-", dir=out.parent) as tmp:
-        staged, fp_source = Path(tmp) / "gptq", source
-        if is_gguf(source):
-            fp_source = Path(tmp) / "source"
-            found = read_gguf(source)
-            progress.say(
-                f"[quantize] dequantizing {source.name} ({found.model_type}, "
-                f"{found.file_type}) to a bf16 checkpoint, the build's source"
-            )
-            with timed_phase(phases, "dequantize", progress, Path(tmp) / "dequantize.log"):
-                export_gguf(source, fp_source)
-        if not templated:
-            progress.say(f"[quantize] {source} has no chat template (a base model): the "
-                         "agreement prompts are scored as plain text")  # fmt: skip
-        every_text = source_texts()
-        texts = recipe.pick(every_text)
-        dtype, why = calibration_dtype(fp_source, dtype)
-        progress.say(
-            f"[quantize] 1/3 GPTQ {bits}-bit of {source} ({config['model_type']}), "
-            f"{recipe.describe()}, {len(texts)} of {len(every_text)} calibration texts, "
-            f"{dtype} forwards ({why}), {threads} threads"
-        )
-        with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
-            losses = quantize_checkpoint(fp_source, staged, texts, recipe=recipe,
-                                         progress=progress, dtype=dtype, bits=bits)  # fmt: skip
-        progress.say(f"[quantize] 2/3 quality against {source} (bar: test ratio <= {max_ratio})")
-        with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
-            report = evaluate(staged, fp_source, threads=threads, kernel="fp32",
-                              max_tokens=tokens_available(fp_source),
-                              progress=evaluation_steps(progress))  # fmt: skip
-        report = replace(report, checkpoint=replace(report.checkpoint, path=str(out)))
-        if report.reference is not None:  # the GGUF, not the folder it was dequantized to
-            report = replace(report, reference=replace(report.reference, path=str(source)))
-        for line in format_report(report).splitlines():
-            progress.say(f"[quantize]     {line}")
-        build = {"source": str(source), "bits": bits, "recipe": asdict(recipe),
-                 "calibration_dtype": dtype, "dtype_choice": why, "threads": threads,
-                 "cpu": cpu_name(), "agreement_prompts": "chat" if templated else "plain text",
-                 "worst_modules": losses[:WORST_MODULES]}  # fmt: skip
-        quality: dict[str, Any] = {**report.to_json(), "build": build}
-        refusal = quality_refusal(report, max_ratio)
-        if refusal is None:
-            progress.say(
-                f"[quantize] 3/3 quality as served: the server's kernels on "
-                f"{SERVED_TOKENS} tokens of the test text, against the source"
-            )
-            with timed_phase(phases, "served", progress, Path(tmp) / "served.log"):
-                served = served_quality(staged, fp_source, threads)
-            progress.say(f"[quantize]     served perplexity {served['perplexity']:.3f} / source "
-                         f"{served['reference']:.3f} = ratio {served['ratio']:.3f}")  # fmt: skip
-            quality["served"] = served
-            if not served["ratio"] <= max_ratio:
-                refusal = (f"quality gate failed as served: ratio {served['ratio']:.3f} is past "
-                           f"the bar {max_ratio:.2f}")  # fmt: skip
-        build["seconds"] = {**phases, "total": time.monotonic() - started}
-        if refusal is not None:
-            kept = keep_rejected(staged, out, quality, refusal)
-            raise SystemExit(
-                f"{refusal}; the checkpoint was not installed. Kept with its report at {kept} "
-                f"(lost the most: {worst_modules(losses) or 'not recorded'}); install it as it "
-                f"is with --accept-rejected {kept}"
-            )
-        write_report(staged, quality)
-        install(staged, out)
-    progress.say(
-        f"[quantize] wrote {out} in {format_duration(time.monotonic() - started)} on "
-        f"{cpu_name()}, {threads} threads"
     )
 
 

@@ -6,13 +6,14 @@ scored as the server runs it (its kernels) against the source, the last of the b
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from predictor.config import MODEL_TYPES
 from predictor.model.evaluate import TEXTS, sequence_perplexity, text_ids, tokens_available
 from predictor.model.gguf_source import is_gguf, read_gguf
-from predictor.model.served import served_perplexity
+from predictor.model.served import served_figures
 
 
 def check_source(source: Path, group_size: int) -> dict[str, Any]:
@@ -76,9 +77,16 @@ def has_chat_template(source: Path) -> bool:
 SERVED_TOKENS = 1024  # of the test text, one context: what the served gate scores
 
 
-def served_quality(checkpoint: Path, source: Path, threads: int) -> dict[str, float]:
+def served_quality(
+    checkpoint: Path,
+    source: Path,
+    threads: int,
+    kernel: str | None = None,
+    reference: float | None = None,
+) -> dict[str, Any]:
     """The checkpoint's perplexity through the server (predictor.model.served: the autotune's
-    kernels) against the source's in process, on the same tokens of the test text."""
+    kernels, or `kernel`) against the source's in process (`reference`, else computed), on the
+    same tokens of the test text, and its decode tokens a second."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
@@ -86,7 +94,42 @@ def served_quality(checkpoint: Path, source: Path, threads: int) -> dict[str, fl
                   or SERVED_TOKENS)  # fmt: skip
     count = min(SERVED_TOKENS, tokens_available(source), context // 2)
     ids = text_ids(tokenizer, TEXTS["test"], count)
-    served = served_perplexity(checkpoint, ids, threads)
-    reference = sequence_perplexity(source, ids, threads)
-    return {"tokens": len(ids), "perplexity": served, "reference": reference,
-            "ratio": served / reference}  # fmt: skip
+    served = served_figures(checkpoint, ids, threads, kernel=kernel)
+    if reference is None:
+        reference = sequence_perplexity(source, ids, threads)
+    return {"tokens": len(ids), "kernel": kernel or "auto", "perplexity": served["perplexity"],
+            "reference": reference, "ratio": served["perplexity"] / reference,
+            "tokens_per_second": served["tokens_per_second"]}  # fmt: skip
+
+
+# fp32 activations in every fused projection: the precise kernel the served gate falls back to
+# where the autotune's (int8 activations, on CPUs without bf16) lose too much
+PRECISE_KERNEL = "native_f32"
+Measure = Callable[[str | None, float | None], dict[str, Any]]
+
+
+def served_gate(measure: Measure, max_ratio: float) -> tuple[dict[str, Any], str | None]:
+    """The served gate: the autotune's kernels measured (`measure(kernel, reference)`); where
+    they fail the bar, PRECISE_KERNEL's. Returns what quality.json records (`served`, and where
+    the precise kernel was tried `served_precise`, and where it passed `serve`: the kernel the
+    server is to run this checkpoint with, and what it costs in tokens a second) and why the
+    gate refuses the build (None: it passes)."""
+    served = measure(None, None)
+    record: dict[str, Any] = {"served": served}
+    if served["ratio"] <= max_ratio:
+        return record, None
+    precise = measure(PRECISE_KERNEL, served["reference"])
+    record["served_precise"] = precise
+    if precise["ratio"] <= max_ratio:
+        record["serve"] = {
+            "kernel": PRECISE_KERNEL,
+            "reason": f"the autotune's kernels served ratio {served['ratio']:.3f}, past the bar "
+            f"{max_ratio:.2f}; {PRECISE_KERNEL} {precise['ratio']:.3f}",
+            "tokens_per_second": {"auto": served["tokens_per_second"],
+                                  PRECISE_KERNEL: precise["tokens_per_second"]},
+        }  # fmt: skip
+        return record, None
+    return record, (
+        f"quality gate failed as served: ratio {served['ratio']:.3f} with the autotune's "
+        f"kernels and {precise['ratio']:.3f} with {PRECISE_KERNEL}, past the bar {max_ratio:.2f}"
+    )

@@ -12,7 +12,7 @@ import pytest
 
 import predictor.model
 from predictor.model import quantize
-from predictor.model.env import prepare_environment
+from predictor.model.env import cpu_name, prepare_environment
 from predictor.model.evaluate import QualityReport, Scored
 from predictor.model.quantize import check_quality
 from predictor.model.recipe import DEFAULT_RECIPE, RECIPES, Recipe, calibration_texts
@@ -110,7 +110,7 @@ def test_cpu_is_named_with_the_isa_torch_is_held_to(monkeypatch: pytest.MonkeyPa
     import torch
 
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
-    name = quantize.cpu_name()
+    name = cpu_name()
     assert name and "held" not in name
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
     if " avx512f" not in flags:
@@ -118,7 +118,7 @@ def test_cpu_is_named_with_the_isa_torch_is_held_to(monkeypatch: pytest.MonkeyPa
     assert name.endswith(", AVX-512")
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert quantize.cpu_name() == f"{name} (torch held to AVX2)"
+    assert cpu_name() == f"{name} (torch held to AVX2)"
 
 
 def test_environment_defaults_two_gptqmodel_workers_and_no_extension_build() -> None:

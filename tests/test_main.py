@@ -1,0 +1,30 @@
+"""`python -m predictor`'s wiring (predictor/__main__.py) where it chooses for the user: the
+kernel a checkpoint's build recorded, honoured by default and overridden by --kernel."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from predictor.model.builds import QUALITY_FILE
+from tests.support import ServerProcess
+
+
+def plans(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "kernel (" in line and " x" in line]
+
+
+def test_the_kernel_a_build_recorded_is_served_unless_overridden(
+    tiny_bf16_dir: Path, tmp_path: Path
+) -> None:
+    checkpoint = shutil.copytree(tiny_bf16_dir, tmp_path / "recorded")
+    (checkpoint / QUALITY_FILE).write_text(json.dumps({"serve": {"kernel": "native_f32"}}))
+    with ServerProcess.start(checkpoint, "tiny") as server:
+        log = server.log()
+    assert "kernel native_f32: chosen by the checkpoint's build" in log
+    assert plans(log) and all("native_f32" in line and "(forced)" in line for line in plans(log))
+    with ServerProcess.start(checkpoint, "tiny", extra=["--kernel", "autotune"]) as server:
+        log = server.log()
+    assert "chosen by the checkpoint's build" not in log
+    assert plans(log) and not any("(forced)" in line for line in plans(log))
