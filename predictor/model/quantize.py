@@ -230,6 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--group-size", type=int, default=128, help="with --source: 32, 64, 128 or -1 (per-channel)"
     )
     parser.add_argument("--asym", action="store_true", help="with --source: asymmetric groups")
+    parser.add_argument("--sym", dest="asym", action="store_false",
+                        help="with --source: symmetric groups (the default)")  # fmt: skip
+    parser.add_argument(
+        "--format", dest="checkpoint_format", choices=("gptq", "gptq_v2"), default="gptq",
+        help="with --source: the checkpoint's layout, AutoGPTQ's (gptq) or gptqmodel's "
+        "(gptq_v2); vLLM and transformers read both",
+    )  # fmt: skip
     parser.add_argument("--desc-act", action="store_true", help="with --source: act-order")
     parser.add_argument(
         "--texts", type=int, default=0, help="with --source: calibration texts used (0: all)"
@@ -276,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          desc_act=args.desc_act, act_group_aware=not args.desc_act,
                          texts=args.texts)  # fmt: skip
         build_from_source(args.source, args.out, args.threads, args.max_ratio, recipe,
-                          bits=args.bits, dtype=args.calibration_dtype)  # fmt: skip
+                          bits=args.bits, dtype=args.calibration_dtype,
+                          checkpoint_format=args.checkpoint_format)  # fmt: skip
         return 0
     fp_out = args.fp_out or args.out.parent / FP_NAME
     build_default_model(

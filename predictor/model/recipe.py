@@ -102,6 +102,7 @@ def quantize_checkpoint(
     progress: Progress | None = None,
     dtype: str = "auto",
     bits: int = 4,
+    checkpoint_format: str = "gptq",
 ) -> list[dict[str, Any]]:
     """GPTQ-quantize an fp checkpoint folder to `bits`; writes the checkpoint and tokenizer.
     Returns each quantized module's GPTQ loss (`module_losses`), the worst first.
@@ -109,7 +110,9 @@ def quantize_checkpoint(
     `group_size` overrides the recipe's (the tiny test model keeps its own). With `progress`,
     each finished layer is a step of its current phase. `dtype` is that of the calibration
     forwards ("auto": the faster here, predictor.model.precision); the checkpoint stores its
-    unquantized weights in bf16 either way.
+    unquantized weights in bf16 either way. `checkpoint_format`: gptq (AutoGPTQ's layout, zero
+    points stored minus one) or gptq_v2 (gptqmodel's, as they are); vLLM, transformers and our
+    loader read both.
     """
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
@@ -121,7 +124,7 @@ def quantize_checkpoint(
     dtype, _ = calibration_dtype(source, dtype)
     if group_size is not None:
         recipe = replace(recipe, group_size=group_size)
-    config = QuantizeConfig(bits=bits, **recipe.quantize_config())
+    config = QuantizeConfig(bits=bits, format=checkpoint_format, **recipe.quantize_config())
     model = GPTQModel.load(str(source), config, dtype=getattr(torch, dtype))
     if progress is not None:
         progress.phase("layer", int(model.model.config.num_hidden_layers))

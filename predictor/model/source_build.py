@@ -45,6 +45,7 @@ def build_from_source(
     bits: int = 4,
     console: TextIO | None = None,
     dtype: str = "auto",
+    checkpoint_format: str = "gptq",
 ) -> None:
     """A user's fp checkpoint folder or GGUF file to GPTQ at `out`: quantize, score against the
     source, gate, install (with quality.json), each phase shown with its progress. A build a
@@ -73,13 +74,15 @@ def build_from_source(
         texts = recipe.pick(every_text)
         dtype, why = calibration_dtype(fp_source, dtype)
         progress.say(
-            f"[quantize] 1/3 GPTQ {bits}-bit of {source} ({config['model_type']}), "
+            f"[quantize] 1/3 GPTQ {bits}-bit ({checkpoint_format}) of {source} "
+            f"({config['model_type']}), "
             f"{recipe.describe()}, {len(texts)} of {len(every_text)} calibration texts, "
             f"{dtype} forwards ({why}), {threads} threads"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
             losses = quantize_checkpoint(fp_source, staged, texts, recipe=recipe,
-                                         progress=progress, dtype=dtype, bits=bits)  # fmt: skip
+                                         progress=progress, dtype=dtype, bits=bits,
+                                         checkpoint_format=checkpoint_format)  # fmt: skip
         progress.say(f"[quantize] 2/3 quality against {source} (bar: test ratio <= {max_ratio})")
         with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
             report = evaluate(staged, fp_source, threads=threads, kernel="fp32",
@@ -90,7 +93,8 @@ def build_from_source(
             report = replace(report, reference=replace(report.reference, path=str(source)))
         for line in format_report(report).splitlines():
             progress.say(f"[quantize]     {line}")
-        build = {"source": str(source), "bits": bits, "recipe": asdict(recipe),
+        build = {"source": str(source), "bits": bits, "format": checkpoint_format,
+                 "recipe": asdict(recipe),
                  "calibration_dtype": dtype, "dtype_choice": why, "threads": threads,
                  "cpu": cpu_name(), "agreement_prompts": "chat" if templated else "plain text",
                  "worst_modules": losses[:WORST_MODULES]}  # fmt: skip

@@ -58,12 +58,13 @@ def test_a_users_qwen2_checkpoint_is_quantized_scored_and_served(
 ) -> None:
     out = tmp_path / "qwen2-gptq"
     run = quantize("--source", str(qwen2_source), "--out", str(out), "--group-size", "64",
-                   "--texts", "48", "--threads", "1")  # fmt: skip
+                   "--texts", "48", "--threads", "1", "--format", "gptq_v2")  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "1/3 GPTQ 4-bit" in run.stdout and "(qwen2)" in run.stdout
+    assert "1/3 GPTQ 4-bit (gptq_v2)" in run.stdout and "(qwen2)" in run.stdout
     assert "2/3 quality" in run.stdout and "3/3 quality as served" in run.stdout
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (quant["bits"], quant["group_size"], quant["sym"]) == (4, 64, True)
+    assert quant["checkpoint_format"] == "gptq_v2"
     quality = json.loads((out / QUALITY_FILE).read_text())
     assert quality["build"]["source"] == str(qwen2_source)
     assert quality["ratio"] <= 1.10  # the default bar held, in process and as served
@@ -74,6 +75,14 @@ def test_a_users_qwen2_checkpoint_is_quantized_scored_and_served(
     runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tune_cache())
     assert all(f is not None for f in runner._fused)  # its biased q, k, v fused too
     assert greedy(runner, PROMPT, 1) == reference_tokens(out, PROMPT, 1)
+    # transformers reads the layout too (its GPTQ config), to the same logits as our reader
+    from transformers import AutoModelForCausalLM
+
+    theirs = AutoModelForCausalLM.from_pretrained(out, device_map="cpu")
+    ids = torch.tensor([PROMPT])
+    with torch.inference_mode():
+        expected = load_checkpoint(out, device="cpu", threads=1).model(ids).logits.float()
+        torch.testing.assert_close(theirs(ids).logits.float(), expected, atol=2e-3, rtol=1e-3)
 
 
 def test_a_source_the_server_cannot_serve_is_refused_at_once(
