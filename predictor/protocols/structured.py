@@ -76,15 +76,43 @@ def _response_format(value: dict[str, Any]) -> Grammar | None:
         raise InvalidRequest(
             f"'{key}.json_schema' must be an object with a name", param=f"{key}.json_schema"
         )
+    return _schema_grammar(f"{key}.json_schema", spec, key)
+
+
+def _schema_grammar(where: str, spec: dict[str, Any], param: str) -> Grammar:
+    """A named JSON schema (`name`, `schema`, `strict`, `description`) -> its Grammar; `param`
+    is the field its grammar's errors name."""
     extra = sorted(set(spec) - {"name", "schema", "strict", "description"})
     if extra:
-        where = f"{key}.json_schema.{extra[0]}"
-        raise InvalidRequest(f"'{where}' is not supported", param=where)
+        raise InvalidRequest(f"'{where}.{extra[0]}' is not supported", param=f"{where}.{extra[0]}")
     if spec.get("strict") not in (None, True, False):
-        where = f"{key}.json_schema.strict"
-        raise InvalidRequest(f"'{where}' must be a boolean", param=where)
+        raise InvalidRequest(f"'{where}.strict' must be a boolean", param=f"{where}.strict")
     schema = spec.get("schema", {})  # strict or not, the schema is enforced
     if not isinstance(schema, dict):
-        where = f"{key}.json_schema.schema"
-        raise InvalidRequest(f"'{where}' must be a JSON schema (an object)", param=where)
-    return Grammar("json_schema", json.dumps(schema), key)
+        raise InvalidRequest(
+            f"'{where}.schema' must be a JSON schema (an object)", param=f"{where}.schema"
+        )
+    return Grammar("json_schema", json.dumps(schema), param)
+
+
+def text_format(value: Any) -> Grammar | None:
+    """The Responses API's `text.format` (`{type: text}`, `{type: json_object}` or `{type:
+    json_schema, name, schema, strict, description}`, flat where chat's response_format nests
+    the schema) -> the Grammar it asks for, its errors naming `text.format`."""
+    key = "text.format"
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'{key}' must be an object", param=key)
+    kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise InvalidRequest(
+            f"'{key}.type' must be one of text, json_object, json_schema, got {kind!r}",
+            param=f"{key}.type",
+        )
+    if kind != "json_schema":
+        extra = sorted(set(value) - {"type"})
+        if extra:
+            raise InvalidRequest(f"'{key}.{extra[0]}' is not supported", param=f"{key}.{extra[0]}")
+        return None if kind == "text" else Grammar("json_object", "", key)
+    if not isinstance(value.get("name"), str):
+        raise InvalidRequest(f"'{key}.name' must be a string", param=f"{key}.name")
+    return _schema_grammar(key, {k: v for k, v in value.items() if k != "type"}, key)

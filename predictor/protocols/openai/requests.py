@@ -151,8 +151,22 @@ def _validate(
 ) -> tuple[Body, parameters.Values]:
     """The body's own fields, and its sampling keys read by the parameter table. `renames`: keys
     that are another name of a table key on this route (chat's max_completion_tokens)."""
+    return validate_body(model, body, default_max_tokens, _FIELD_NAMES, renames)
+
+
+def validate_body(
+    model: type[Body2],
+    body: Any,
+    default_max_tokens: int,
+    field_names: frozenset[str],
+    renames: Mapping[str, str] | None = None,
+    table_keys: frozenset[str] | None = None,
+) -> tuple[Body2, parameters.Values]:
+    """`_validate` for any OpenAI body: `field_names` are the names errors may give as `param`;
+    `table_keys` the table's keys this route takes (None: all of OpenAI's; the rest are the
+    body model's, which refuses what it does not know)."""
     kept = _without_refused(body, frozenset(model.model_fields))
-    table = set(parameters.names(PROTOCOL))
+    table = set(parameters.names(PROTOCOL) if table_keys is None else table_keys)
     sampling_keys = {k: v for k, v in kept.items() if k in table}
     for key, name in (renames or {}).items():
         if key in kept:
@@ -160,17 +174,35 @@ def _validate(
                 raise InvalidRequest(f"'{name}' and '{key}' disagree", param=name)
             sampling_keys[name] = kept[key]
     rest = {k: v for k, v in kept.items() if k not in table and k not in (renames or {})}
-    values = parameters.read(sampling_keys, PROTOCOL, default_max_tokens)
+    values = _read_renamed(sampling_keys, default_max_tokens, renames or {}, kept)
     try:
         return model.model_validate(rest), values
     except ValidationError as exc:
-        error = telling_error(exc, _FIELD_NAMES)
+        error = telling_error(exc, field_names)
         loc = error["loc"]
         if error["type"] == "extra_forbidden":  # the unknown key itself is the last part
-            param = param_of(loc, _FIELD_NAMES | {str(loc[-1])})
+            param = param_of(loc, field_names | {str(loc[-1])})
             raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
-        param = param_of(loc, _FIELD_NAMES)
+        param = param_of(loc, field_names)
         raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
+
+
+def _read_renamed(
+    sampling_keys: dict[str, Any],
+    default_max_tokens: int,
+    renames: Mapping[str, str],
+    given: Mapping[str, Any],
+) -> parameters.Values:
+    """The table's read, its errors naming the key the client gave (a renamed key by the name
+    it was sent under: Responses' max_output_tokens, not max_tokens)."""
+    try:
+        return parameters.read(sampling_keys, PROTOCOL, default_max_tokens)
+    except InvalidRequest as exc:
+        sent = next((k for k, n in renames.items() if n == exc.param and k in given), None)
+        if sent is None or exc.param is None:
+            raise
+        message = str(exc).replace(f"'{exc.param}'", f"'{sent}'")
+        raise InvalidRequest(message, param=sent) from exc
 
 
 def requested_model(body: Any) -> str | None:
@@ -327,6 +359,18 @@ def decode_tokenize(body: Any) -> tuple[TokenizeBody, GenerateRequest]:
 
 def decode_detokenize(body: Any) -> DetokenizeBody:
     return _strict(DetokenizeBody, body)
+
+
+def chat_prompt(
+    base: str, messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...] | None
+) -> GenerateRequest:
+    """A conversation (turns as the chat template takes them) as the engine's chat request."""
+    if len(messages) == 1 and messages[0]["role"] == "user":
+        # the engine's own single-message chat path renders the same template
+        return GenerateRequest(
+            base, messages[0]["content"], chat=True, messages=messages, tools=tools
+        )
+    return GenerateRequest(base, "", chat=True, messages=messages, tools=tools)
 
 
 def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
