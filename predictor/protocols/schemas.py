@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from predictor.protocols import generate, parameters
 from predictor.protocols.anthropic import bodies as anthropic_bodies
 from predictor.protocols.openai import requests as openai_requests
+from predictor.protocols.openai import responses_api
 from predictor.protocols.parameters import MAX_STOP_LENGTH, MAX_STOP_STRINGS, Parameter
 from predictor.protocols.v2 import TEXT_INPUT
 
@@ -96,11 +97,21 @@ def _inline_refs(schema: Any, defs: dict[str, Any]) -> Any:
     return schema
 
 
-def openai_schema(model: type[BaseModel], protocol: str = "openai") -> dict[str, Any]:
-    """An OpenAI (or Anthropic) body: its pydantic model's fields and the table's keys."""
+def openai_schema(
+    model: type[BaseModel],
+    protocol: str = "openai",
+    keys: frozenset[str] | None = None,
+    renames: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """An OpenAI (or Anthropic) body: its pydantic model's fields and the table's keys of
+    `protocol` (`keys`: those the route takes, None: all; `renames`: a route's name for a row,
+    as max_output_tokens)."""
     schema = model.model_json_schema()
     body = dict(_inline_refs(schema, schema.get("$defs", {})))
-    body["properties"] = {**body.get("properties", {}), **parameters_properties(protocol)}
+    table = parameters_properties(protocol)
+    taken = {k: v for k, v in table.items() if keys is None or k in keys}
+    taken |= {new: table[old] for new, old in (renames or {}).items()}
+    body["properties"] = {**body.get("properties", {}), **taken}
     return body
 
 
@@ -111,3 +122,6 @@ MESSAGES_SCHEMA = {
     **COUNT_TOKENS_SCHEMA,
     "required": [*COUNT_TOKENS_SCHEMA.get("required", []), "max_tokens"],
 }
+RESPONSES_SCHEMA = openai_schema(
+    responses_api.ResponsesBody, keys=responses_api.TABLE_KEYS, renames=responses_api.RENAMES
+)

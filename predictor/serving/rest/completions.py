@@ -23,6 +23,7 @@ from predictor.protocols import schemas
 from predictor.protocols.openai import requests, responses
 from predictor.protocols.openai.requests import OpenAIRequest
 from predictor.serving.errors import openai_body, openai_response
+from predictor.serving.rest import responses_api
 from predictor.serving.rest.body import read_json
 from predictor.serving.rest.routes import OPENAI_PREFIXES, openapi_extra
 from predictor.serving.served import Resolve, ServedModel, ready_model
@@ -209,4 +210,5 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
             openapi_extra=openapi_extra(schemas.CHAT_SCHEMA, ERROR_SHAPE, ok=ok),
         )  # fmt: skip
         router.add_api_route(f"{prefix}/models", models, methods=["GET"])
+    router.include_router(responses_api.build_router(resolve))  # OpenAI's Responses API
     return router

@@ -1,0 +1,367 @@
+"""OpenAI Responses API request bodies (`POST /v1/responses`) -> the engine's chat request.
+
+A Responses body says what a chat completions body says in other words: `instructions` and
+`input` (text, or items: messages, function calls and their outputs) are the conversation,
+`tools` are flat function definitions, `text.format` is the response format and
+`max_output_tokens` is max_tokens. So it is translated into chat's own pieces (`messages.Message`,
+`messages.tool_setup`, the parameter table through `requests.validate_body`) and becomes the same
+GenerateRequest a chat request becomes; nothing of chat's logic is repeated here.
+
+Stateless: nothing is kept, so `store` is accepted (true or false) and ignored, and
+`previous_response_id`, `conversation` and `background` are 400s naming them. What this server
+cannot honour (a tool other than a function, non-text content, `reasoning` on a model that does
+not think, ...) is a 400 naming the field. The response shapes are in `responses_output.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError
+
+from predictor.errors import InvalidRequest
+from predictor.protocols import structured
+from predictor.protocols.openai.messages import (
+    MAX_TOOLS,
+    AssistantToolCall,
+    CalledFunction,
+    FunctionDefinition,
+    Message,
+    NamedFunction,
+    NamedToolChoice,
+    Strict,
+    Tool,
+    conversation,
+    tool_setup,
+)
+from predictor.protocols.openai.requests import chat_prompt, validate_body
+from predictor.protocols.openai.validation import param_of, telling_error
+from predictor.types import GenerateRequest
+
+# The parameter table's keys a Responses body takes: OpenAI's, then vLLM's extensions.
+# max_output_tokens is the table's max_tokens; text.format its response format.
+TABLE_KEYS = frozenset({
+    "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "priority", "cache_salt",
+    "speculative",
+})  # fmt: skip
+RENAMES = {"max_output_tokens": "max_tokens"}
+MAX_ITEMS = 1024
+
+# Reasoning efforts served. The models served here do not split their reasoning yet, so
+# `reasoning` with any effort or summary is refused; a reasoning parser adds its efforts here.
+REASONING_EFFORTS: frozenset[str] = frozenset()
+
+
+# -- body models --------------------------------------------------------------------------------
+
+
+class TextConfig(Strict):
+    format: dict[str, Any] | None = None  # read by structured.text_format
+    verbosity: Literal["medium"] | None = None  # OpenAI's default; no other is honoured
+
+
+class Reasoning(Strict):
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # OpenAI's older name of summary
+
+
+class StreamOptions(Strict):
+    include_obfuscation: bool | None = None  # accepted: nothing here is obfuscated
+
+
+class ResponsesBody(Strict):
+    """A Responses body's own fields (the table's keys are read apart)."""
+
+    model: str
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_ITEMS)]
+    instructions: str | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: Reasoning | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    store: bool | None = None  # accepted, true or false: nothing is kept either way
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None  # the tenant of the counters
+    safety_identifier: str | None = None  # accepted: an end user's id, for OpenAI's abuse checks
+    prompt_cache_key: str | None = None  # accepted: a routing hint; the prefix cache needs none
+    service_tier: Literal["auto", "default"] | None = None
+    truncation: Literal["disabled"] | None = None  # a prompt past the context is a 400
+    include: Annotated[list[str], Field(max_length=0)] | None = None
+    top_logprobs: Literal[0] | None = None
+    background: Literal[False] | None = None
+
+
+class InputText(Strict):
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list[Any] | None = None  # output_text's, as our own output items carry them
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(Strict):
+    type: Literal["message"] | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[InputText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    phase: Literal["commentary", "final_answer"] | None = None
+
+
+class FunctionCallItem(Strict):
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[InputText]
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: arguments are always enforced by grammar here
+
+
+class FunctionChoice(Strict):
+    type: Literal["function"]
+    name: str
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+_ITEMS: dict[str, type[Strict]] = {
+    "message": MessageItem,
+    "function_call": FunctionCallItem,
+    "function_call_output": FunctionCallOutputItem,
+}
+_FIELD_NAMES = frozenset(
+    name
+    for model in (
+        ResponsesBody, TextConfig, Reasoning, StreamOptions, InputText, MessageItem,
+        FunctionCallItem, FunctionCallOutputItem, FunctionTool, FunctionChoice,
+    )
+    for name in model.model_fields
+)  # fmt: skip
+
+
+# -- our view of a request ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponsesRequest:
+    """One Responses request: its engine request, and what the response object echoes."""
+
+    id: str
+    model: str
+    created: int
+    request: GenerateRequest
+    stream: bool
+    tools: tuple[dict[str, Any], ...]  # the function tools as given (echoed), flat
+    tool_choice: str | dict[str, Any]
+    parallel_tool_calls: bool
+    text_format: dict[str, Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: Mapping[str, str] | None = None
+    user: str | None = None
+
+    @property
+    def reads_calls(self) -> bool:
+        """Whether the answer is read for tool calls (tools given, tool_choice not none)."""
+        return self.request.tools is not None
+
+
+def _refuse_state(body: Any) -> None:
+    """What needs responses kept (this server keeps none) is refused by name, before the rest."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("the request body must be a JSON object")
+    for key in ("previous_response_id", "conversation", "prompt"):
+        if body.get(key) is not None:
+            raise InvalidRequest(
+                f"'{key}' is not supported: this server keeps no responses, conversations or "
+                "prompts (send the whole conversation in 'input')",
+                param=key,
+            )
+
+
+def check_reasoning(reasoning: Reasoning | None) -> None:
+    """`reasoning` is served for the efforts in REASONING_EFFORTS (none yet); absent or null
+    fields ask for nothing."""
+    if reasoning is None:
+        return
+    if reasoning.effort is not None and reasoning.effort not in REASONING_EFFORTS:
+        raise InvalidRequest(
+            f"'reasoning.effort' {reasoning.effort!r} is not supported: this model's reasoning "
+            "is not split from its answer",
+            param="reasoning.effort",
+        )
+    for key in ("summary", "generate_summary"):
+        if getattr(reasoning, key) is not None:
+            raise InvalidRequest(
+                f"'reasoning.{key}' is not supported: this model's reasoning is not split",
+                param=f"reasoning.{key}",
+            )
+
+
+def _strict_item(model: type[Strict], value: Any, where: str) -> Any:
+    """`value` as `model`, its errors naming the field at `where` (input[2].content)."""
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        error = telling_error(exc, _FIELD_NAMES)
+        loc, unknown = error["loc"], error["type"] == "extra_forbidden"
+        inside = param_of(loc, _FIELD_NAMES | ({str(loc[-1])} if unknown else set()))
+        param = f"{where}.{inside}" if inside and not inside.startswith("[") else where + inside
+        if unknown:
+            raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
+        raise InvalidRequest(f"'{param}': {error['msg']}", param=param) from exc
+
+
+def _item(i: int, value: Any) -> Item:
+    where = f"input[{i}]"
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'{where}' must be an object", param=where)
+    kind = value.get("type", "message")
+    model = _ITEMS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise InvalidRequest(
+            f"'{where}.type' {kind!r} is not supported (one of {', '.join(_ITEMS)})",
+            param=f"{where}.type",
+        )
+    content = value.get("content") if kind == "message" else value.get("output")
+    if isinstance(content, list):  # name the part this server cannot read (an image, a file)
+        field = "content" if kind == "message" else "output"
+        for j, part in enumerate(content):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type not in ("input_text", "output_text"):
+                param = f"{where}.{field}[{j}].type"
+                raise InvalidRequest(
+                    f"'{param}' {part_type!r} is not supported (text parts only)", param=param
+                )
+    item: Item = _strict_item(model, {k: v for k, v in value.items() if v is not None}, where)
+    return item
+
+
+def _text(content: str | Sequence[InputText]) -> str:
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
+
+
+def _messages(instructions: str | None, given: str | list[dict[str, Any]]) -> list[Message]:
+    """`instructions` and `input` as chat messages: function calls join the assistant turn
+    they follow, their outputs are tool turns."""
+    out: list[Message] = [] if instructions is None else [
+        Message(role="system", content=instructions)
+    ]  # fmt: skip
+    if isinstance(given, str):
+        return [*out, Message(role="user", content=given)]
+    for i, value in enumerate(given):
+        item = _item(i, value)
+        if isinstance(item, MessageItem):
+            out.append(Message(role=item.role, content=_text(item.content)))
+        elif isinstance(item, FunctionCallOutputItem):
+            out.append(Message(role="tool", content=_text(item.output), tool_call_id=item.call_id))
+        else:
+            try:
+                json.loads(item.arguments)
+            except ValueError as exc:
+                param = f"input[{i}].arguments"
+                raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from exc
+            call = AssistantToolCall(
+                id=item.call_id, type="function",
+                function=CalledFunction(name=item.name, arguments=item.arguments),
+            )  # fmt: skip
+            last = out[-1] if out else None
+            if last is not None and last.role == "assistant":
+                out[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
+            else:
+                out.append(Message(role="assistant", tool_calls=[call]))
+    return out
+
+
+def _tools(given: list[dict[str, Any]] | None) -> list[FunctionTool]:
+    """The function tools; any other kind (web_search, file_search, mcp, ...) is refused."""
+    out = []
+    for i, value in enumerate(given or ()):
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind != "function":
+            param = f"tools[{i}].type"
+            raise InvalidRequest(
+                f"'{param}' {kind!r} is not supported: this server calls functions only",
+                param=param,
+            )
+        out.append(_strict_item(FunctionTool, value, f"tools[{i}]"))
+    return out
+
+
+def _tool_choice(
+    choice: str | dict[str, Any] | None,
+) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
+    if choice is None or isinstance(choice, str):
+        return choice  # type: ignore[return-value]  # the body model allows only those words
+    if choice.get("type") != "function":
+        raise InvalidRequest(
+            f"'tool_choice.type' {choice.get('type')!r} is not supported (none, auto, required "
+            "or a function)",
+            param="tool_choice.type",
+        )
+    named = _strict_item(FunctionChoice, choice, "tool_choice")
+    return NamedToolChoice(type="function", function=NamedFunction(name=named.name))
+
+
+def decode_responses(body: Any, default_max_tokens: int) -> ResponsesRequest:
+    """A Responses body -> the engine's chat request and what the answer echoes."""
+    _refuse_state(body)
+    parsed, values = validate_body(
+        ResponsesBody, body, default_max_tokens, _FIELD_NAMES, RENAMES, TABLE_KEYS
+    )
+    if values.sampling.max_tokens < 1:
+        raise InvalidRequest("'max_output_tokens' must be at least 1", param="max_output_tokens")
+    check_reasoning(parsed.reasoning)
+    if parsed.stream_options is not None and not parsed.stream:
+        raise InvalidRequest(
+            "'stream_options' is only allowed with stream: true", param="stream_options"
+        )
+    text_format = (parsed.text.format if parsed.text else None) or {"type": "text"}
+    grammar = structured.text_format(text_format)
+    functions = _tools(parsed.tools)
+    chat_tools = [
+        Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))
+        for t in functions
+    ]
+    try:
+        tools, sampling = tool_setup(
+            chat_tools, _tool_choice(parsed.tool_choice), parsed.parallel_tool_calls,
+            replace(values.sampling, grammar=grammar),
+        )  # fmt: skip
+    except InvalidRequest as exc:  # chat's names, said as Responses names them
+        param = "tool_choice.name" if exc.param == "tool_choice.function.name" else exc.param
+        raise InvalidRequest(str(exc), param=param) from exc
+    base = f"resp_{uuid.uuid4().hex}"
+    prompt = chat_prompt(base, conversation(_messages(parsed.instructions, parsed.input)), tools)
+    request = replace(prompt, params=sampling, cache_salt=values.cache_salt, tenant=parsed.user)
+    return ResponsesRequest(
+        base, parsed.model, int(time.time()), request, bool(parsed.stream),
+        tuple(t.model_dump(exclude_none=True) for t in functions),
+        parsed.tool_choice if parsed.tool_choice is not None else "auto",
+        parsed.parallel_tool_calls is not False, text_format, parsed.instructions,
+        body.get("max_output_tokens"), parsed.metadata, parsed.user,
+    )  # fmt: skip
