@@ -61,6 +61,7 @@ def test_every_snippet_is_found_once() -> None:
         "openai-structured",
         "openai-tools",
         "anthropic-sdk",
+        "openai-responses",
         "tritonclient-vllm",
         "openai-lora",
     }
@@ -126,6 +127,16 @@ def test_anthropic_snippet(server: ServerProcess) -> None:
     call = next(line for line in lines if line.startswith("tool_use get_weather {'city': "))
     assert call.endswith(("'unit': 'celsius'}", "'unit': 'fahrenheit'}"))
     assert lines[-2] == "True" and lines[-1].startswith("MessageTokensCount(input_tokens=")
+
+
+def test_responses_snippet(server: ServerProcess) -> None:
+    out = run([sys.executable, "-c", adapt(SNIPPETS["openai-responses"], server)])
+    lines = out.splitlines()
+    status, tokens = lines[0].split()
+    assert status in ("completed", "incomplete") and int(tokens) > 0
+    assert lines[-4] in ("completed", "incomplete")  # the stream's final status
+    assert lines[-3] == "Cat"
+    assert lines[-2] == "get_weather True" and lines[-1] == "message"
 
 
 def test_lora_snippet(tiny_gptq_dir: Path, tmp_path: Path) -> None:
