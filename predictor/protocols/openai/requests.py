@@ -184,7 +184,8 @@ def validate_body(
             param = param_of(loc, field_names | {str(loc[-1])})
             raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
         param = param_of(loc, field_names)
-        raise InvalidRequest(f"'{param}': {error['msg']}", param=param or None) from exc
+        message = f"'{param}': {error['msg']}" if param else str(error["msg"])
+        raise InvalidRequest(message, param=param or None) from exc
 
 
 def _read_renamed(

@@ -34,7 +34,8 @@ def telling_error(exc: ValidationError, names: frozenset[str]) -> Any:
         return tied[0]
     shared = places[0]
     for place in places[1:]:
-        while not (place == shared or place.startswith((f"{shared}.", f"{shared}["))):
+        # (an empty `shared`: the places share no field, as two missing top-level keys)
+        while shared and not (place == shared or place.startswith((f"{shared}.", f"{shared}["))):
             shared = shared[: max(shared.rfind("."), shared.rfind("["), 0)]
     said: list[str] = []
     for place, error in zip(places, tied, strict=True):

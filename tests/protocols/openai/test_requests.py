@@ -212,3 +212,12 @@ def test_echo_asks_the_engine_to_score_the_prompt() -> None:
     with pytest.raises(InvalidField) as info:
         decode_chat(CHAT | {"echo": True}, 16)  # vLLM's chat echo means something else
     assert info.value.param == "echo"
+
+
+def test_fields_missing_side_by_side_are_named_not_looped() -> None:
+    """Two top-level fields missing share no place: the message names both (the search for
+    their shared field once looped forever there, holding the event loop)."""
+    with pytest.raises(InvalidField) as caught:
+        decode_chat({}, 16)
+    assert "model: field required" in str(caught.value)
+    assert "messages: field required" in str(caught.value)
