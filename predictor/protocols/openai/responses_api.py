@@ -342,6 +342,8 @@ def decode_responses(body: Any, default_max_tokens: int) -> ResponsesRequest:
         )
     text_format = (parsed.text.format if parsed.text else None) or {"type": "text"}
     grammar = structured.text_format(text_format)
+    if text_format["type"] == "json_schema":  # echoed with its schema, as OpenAI's type has it
+        text_format = {"schema": {}} | text_format
     functions = _tools(parsed.tools)
     chat_tools = [
         Tool(type="function", function=FunctionDefinition(**t.model_dump(exclude={"type"})))

@@ -130,6 +130,7 @@ def test_text_format_is_the_grammar() -> None:
         ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format.name"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
         ({"input": [{"type": "computer_call_output"}]}, "input[0].type"),
+        ({"input": [{}]}, "input[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
          "input[0].content[0].type"),
         ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
