@@ -52,3 +52,32 @@ def test_openai_routes_never_answer_5xx(server: ServerProcess) -> None:
                     post_non_finite(http, case, data, openai=True)
 
             check()
+
+
+def test_responses_route_never_answers_5xx(server: ServerProcess) -> None:
+    """The Responses API's body, fuzzed from its OpenAPI description alike."""
+    schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json").include(
+        path_regex=r"^/(openai/)?v1/responses$"
+    )
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} == {"/v1/responses", "/openai/v1/responses"}
+    with httpx.Client(timeout=60) as http:
+        for operation in operations:
+
+            @given(case=operation.as_strategy(), data=st.data())
+            @settings(
+                max_examples=25,
+                deadline=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
+            def check(case: schemathesis.Case, data: st.DataObject) -> None:
+                if isinstance(case.body, dict):
+                    case.body["model"] = "tiny"
+                    tokens = case.body.get("max_output_tokens")
+                    case.body["max_output_tokens"] = min(tokens or 4, 4)
+                response = case.call(timeout=60)
+                case.validate_response(response, checks=[not_a_server_error])
+                post_non_finite(http, case, data, openai=True)
+
+            check()
