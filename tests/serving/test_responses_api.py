@@ -12,9 +12,11 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from httpx_sse import connect_sse
 from pydantic import BaseModel, Field
 
-from tests.serving.test_openai import PREFIXES, client
+from tests.serving.test_grpc_stream import running_requests, wait_idle
+from tests.serving.test_openai import LONG, PREFIXES, client
 from tests.support import ServerProcess
 
 WEATHER = {
@@ -129,6 +131,19 @@ def test_stream_wire_names_each_event(server: ServerProcess) -> None:
         event, data = block.split("\n")
         assert event.startswith("event: ") and data.startswith("data: ")
         assert json.loads(data[len("data: ") :])["type"] == event[len("event: ") :]
+
+
+def test_disconnect_frees_the_request(server: ServerProcess) -> None:
+    """A client that leaves mid-stream ends its engine request."""
+    body = {"model": "tiny", "input": "Go on", "max_output_tokens": LONG, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        for _ in range(2):
+            with connect_sse(http, "POST", f"{server.base_url}/v1/responses", json=body) as source:
+                events = source.iter_sse()
+                assert next(events).event == "response.created"
+                assert running_requests(server) == 1
+            # leaving the block closes the connection mid-stream
+    wait_idle(server)
 
 
 def test_stream_helper_parses_the_json_schema(server: ServerProcess) -> None:
