@@ -53,6 +53,10 @@ TABLE_KEYS = frozenset({
 RENAMES = {"max_output_tokens": "max_tokens"}
 MAX_ITEMS = 1024
 
+# `include` entries that ask for nothing this server writes (no reasoning items, so no encrypted
+# reasoning: Codex and the Agents SDK send it with store false); any other entry is refused.
+INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+
 # Reasoning efforts served. The models served here do not split their reasoning yet, so
 # `reasoning` with any effort or summary is refused; a reasoning parser adds its efforts here.
 REASONING_EFFORTS: frozenset[str] = frozenset()
@@ -96,7 +100,7 @@ class ResponsesBody(Strict):
     prompt_cache_key: str | None = None  # accepted: a routing hint; the prefix cache needs none
     service_tier: Literal["auto", "default"] | None = None
     truncation: Literal["disabled"] | None = None  # a prompt past the context is a 400
-    include: Annotated[list[str], Field(max_length=0)] | None = None
+    include: Annotated[list[str], Field(max_length=16)] | None = None  # see INCLUDABLE
     top_logprobs: Literal[0] | None = None
     background: Literal[False] | None = None
 
@@ -336,6 +340,9 @@ def decode_responses(body: Any, default_max_tokens: int) -> ResponsesRequest:
     if values.sampling.max_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1", param="max_output_tokens")
     check_reasoning(parsed.reasoning)
+    for i, entry in enumerate(parsed.include or ()):
+        if entry not in INCLUDABLE:
+            raise InvalidRequest(f"'include' {entry!r} is not supported", param=f"include[{i}]")
     if parsed.stream_options is not None and not parsed.stream:
         raise InvalidRequest(
             "'stream_options' is only allowed with stream: true", param="stream_options"

@@ -137,7 +137,7 @@ def test_text_format_is_the_grammar() -> None:
         ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]},
          "input[0].arguments"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["message.output_text.logprobs"]}, "include[0]"),
         ({"truncation": "auto"}, "truncation"),
         ({"stream_options": {"include_obfuscation": False}}, "stream_options"),
     ],
@@ -149,6 +149,7 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
 def test_an_absent_or_null_reasoning_asks_for_nothing() -> None:
     decode(reasoning={"effort": None, "summary": None})
     decode(reasoning=None, store=False, truncation="disabled", service_tier="auto")
+    decode(include=["reasoning.encrypted_content"])  # no reasoning items: nothing to include
 
 
 def test_the_openapi_body_has_the_routes_keys() -> None:
