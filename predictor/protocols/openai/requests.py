@@ -362,18 +362,6 @@ def decode_detokenize(body: Any) -> DetokenizeBody:
     return _strict(DetokenizeBody, body)
 
 
-def chat_prompt(
-    base: str, messages: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...] | None
-) -> GenerateRequest:
-    """A conversation (turns as the chat template takes them) as the engine's chat request."""
-    if len(messages) == 1 and messages[0]["role"] == "user":
-        # the engine's own single-message chat path renders the same template
-        return GenerateRequest(
-            base, messages[0]["content"], chat=True, messages=messages, tools=tools
-        )
-    return GenerateRequest(base, "", chat=True, messages=messages, tools=tools)
-
-
 def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
     parsed, values = _validate(
         ChatBody, body, default_max_tokens, {"max_completion_tokens": "max_tokens"}

@@ -36,10 +36,11 @@ from predictor.protocols.openai.messages import (
     NamedToolChoice,
     Strict,
     Tool,
+    chat_prompt,
     conversation,
     tool_setup,
 )
-from predictor.protocols.openai.requests import chat_prompt, validate_body
+from predictor.protocols.openai.requests import validate_body
 from predictor.protocols.openai.validation import param_of, telling_error
 from predictor.types import GenerateRequest
 
