@@ -23,8 +23,10 @@ def test_the_kernel_a_build_recorded_is_served_unless_overridden(
     with ServerProcess.start(checkpoint, "tiny") as server:
         log = server.log()
     assert "kernel native_f32: chosen by the checkpoint's build" in log
-    assert plans(log) and all("native_f32" in line and "(forced)" in line for line in plans(log))
+    assert plans(log) and all(line.endswith(": 1+ rows native_f32") for line in plans(log))
     with ServerProcess.start(checkpoint, "tiny", extra=["--kernel", "autotune"]) as server:
+        assert "chosen by the checkpoint's build" not in server.log()
+    with ServerProcess.start(checkpoint, "tiny", extra=["--kernel", "native_i8"]) as server:
         log = server.log()
     assert "chosen by the checkpoint's build" not in log
-    assert plans(log) and not any("(forced)" in line for line in plans(log))
+    assert plans(log) and all(line.endswith(": 1+ rows native_i8") for line in plans(log))

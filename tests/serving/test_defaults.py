@@ -174,11 +174,14 @@ def test_anthropic_messages_is_chats_text_and_round_trips_a_tool(
                          "required": ["city"]},
     }]  # fmt: skip
     messages: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # greedy and one call: Anthropic's default temperature is 1, and an unseeded sample could
+    # go on calling until max_tokens
     called = sdk.messages.create(
-        model=NAME, max_tokens=80, messages=messages, tools=tools, tool_choice={"type": "any"}
-    )
+        model=NAME, max_tokens=120, messages=messages, tools=tools, extra_body={"temperature": 0},
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    )  # fmt: skip
     calls = [b for b in called.content if b.type == "tool_use"]
-    assert called.stop_reason == "tool_use" and calls, called
+    assert called.stop_reason == "tool_use" and len(calls) == 1, called
     assert all(c.name == "get_weather" and isinstance(c.input.get("city"), str) for c in calls)
     messages += [
         {"role": "assistant", "content": called.content},
