@@ -21,6 +21,8 @@ from predictor.config import AUTOTUNE, FUSED_KERNELS, Settings
 from predictor.engine.adapters import Adapters
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.kv_events import Recorder
+from predictor.engine.kv_publisher import ZmqPublisher
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.runners.native import build_matmuls_in_background, library_cache
 from predictor.engine.runners.null import NullRunner
@@ -70,8 +72,11 @@ def build_engine(
     """Runner, scheduler and step loop behind the asyncio front. `invariant`: always, but for
     load/bench_invariance.py's baseline (a request's tokens independent of its batch: the CPU
     runner's `batch_invariant`)."""
+    publisher, events = _kv_events(settings, metrics)
     allocator = BlockAllocator(
-        blocks_for(settings.max_cache_tokens, settings.kv_block_size), settings.kv_block_size
+        blocks_for(settings.max_cache_tokens, settings.kv_block_size),
+        settings.kv_block_size,
+        evictions=events,
     )
     runner: Runner
     if settings.runner == "null":
@@ -109,6 +114,7 @@ def build_engine(
         prefix_caching=settings.prefix_caching,
         speculation=speculation,
         max_loras=settings.max_loras,
+        events=events,
     )
     step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared)
     adapters = _adapters(settings, runner, step_loop.run_chore)
@@ -131,7 +137,35 @@ def build_engine(
         max_grammar_compiles=settings.max_grammar_compiles,
         on_step=metrics.observe_step,
         adapters=adapters,
+        on_stop=None if publisher is None else publisher.stop,
     )
+
+
+def _kv_events(settings: Settings, metrics: Metrics) -> tuple[ZmqPublisher | None, Recorder | None]:
+    """The KV events' publisher (its sockets open: OSError where they cannot) and recorder,
+    where --kv-events-config turns them on; else none, and nothing of them runs."""
+    config = settings.kv_events
+    if config is None or not config.publishing:
+        return None, None
+    publisher = ZmqPublisher(
+        config.endpoint,
+        config.replay_endpoint,
+        config.topic,
+        config.buffer_steps,
+        config.hwm,
+        config.max_queue_size,
+        on_drop=metrics.kv_events_dropped.inc,
+    )
+    publisher.start()
+    # vLLM's NONE_HASH seed: read here, at the edge (the router must be given the same)
+    seed = os.environ.get("PYTHONHASHSEED")
+    recorder = Recorder(
+        publisher.publish, settings.kv_block_size, settings.prefix_caching_hash_algo, seed
+    )
+    if seed is None:
+        log.warning("PYTHONHASHSEED is not set: the KV events' block hashes are seeded at "
+                    "random, so no router can compute them (vLLM's rule)")  # fmt: skip
+    return publisher, recorder
 
 
 def _adapters(
@@ -206,7 +240,11 @@ def build_observer(settings: Settings, metrics: Metrics) -> Observer:
 def main(argv: Sequence[str] | None = None) -> int:
     startup = StartupClock()
     startup.mark("imports")
-    settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
+    try:
+        settings = Settings.from_sources(sys.argv[1:] if argv is None else argv, os.environ)
+    except ValueError as exc:  # a setting that cannot be served: said in one line, exit 2
+        print(f"predictor: {exc}", file=sys.stderr)
+        return 2
     # our INFO lines (kernel choices, memory, readiness) on stderr: configured here, at the edge
     # (they once appeared only because importing gptqmodel configures the root logger)
     logging.basicConfig(level=logging.INFO)
@@ -246,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         engine = build_engine(loaded, settings, metrics, startup.ready)
         startup.mark("engine")
-    except CheckpointError as exc:
+    except (CheckpointError, OSError) as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
     limits = Limits(settings.default_max_tokens, settings.max_json_depth)

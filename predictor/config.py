@@ -38,6 +38,7 @@ KERNELS = (*LOADER_KERNELS, AUTOTUNE, *FUSED_KERNELS)
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")
 SPECULATIVE = ("off", "ngram", "suffix")  # --speculative (engine/speculation.py)
+HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")  # --prefix-caching-hash-algo, vLLM's names
 # the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
 # model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -104,6 +105,10 @@ class Settings:
     max_cache_tokens: int = 32768  # KV-cache size in tokens (rows take blocks as they fill them)
     kv_block_size: int = 16  # tokens per KV-cache block
     prefix_caching: bool = True  # reuse cached blocks of prompts that start alike
+    # KV events for prefix-aware routers: vLLM's JSON (vllm_args.KVEventsConfig; "": off)
+    kv_events_config: str = ""
+    # the block hash the KV events carry (engine/kv_events.py): sha256_cbor | sha256 | builtin
+    prefix_caching_hash_algo: str = "sha256"
     max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
     # speculative decoding without a draft model: off | ngram | suffix; a row drafts only
     # while the steps' measured cost says its drafts pay (so it is on by default: where
@@ -172,6 +177,11 @@ class Settings:
         return settings
 
     @property
+    def kv_events(self) -> vllm_args.KVEventsConfig | None:
+        """--kv-events-config read (None: no events); ValueError naming what is wrong."""
+        return vllm_args.kv_events_config(self.kv_events_config)
+
+    @property
     def adapters(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, path): `NAME=PATH`, or vLLM's JSON form `{"name": NAME,
         "path": PATH}` (what KServe's LLMInferenceService passes)."""
@@ -196,6 +206,10 @@ class Settings:
                 "--num-speculative-tokens between 1 and 16"
             )
         names = [name for name, _ in self.adapters]  # raises for a malformed entry
+        events = self.kv_events  # raises for bad JSON or an unknown key
+        if events is not None and events.publishing and not self.prefix_caching:
+            raise ValueError("--kv-events-config publishes the prefix cache's events: it needs "
+                             "--enable-prefix-caching")  # fmt: skip
         if len(set(names)) != len(names):
             raise ValueError("--lora-modules names each adapter once")
         if not 1 <= self.max_lora_rank <= 256 or min(self.max_loras, self.max_cpu_loras) < 0:
@@ -286,6 +300,16 @@ _HELP = {
     "kv_block_size": "tokens per KV-cache block (the prefix cache shares whole blocks)",
     "prefix_caching": "automatic prefix caching: a prompt that starts with blocks another "
     "request computed (same tokens, same cache_salt) reuses them instead of computing them",
+    "kv_events_config": "KV-cache events for prefix-aware routers (llm-d, Dynamo), vLLM's "
+    'JSON: {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+    '"topic": "kv@POD_IP:PORT@MODEL"} (also replay_endpoint, buffer_steps, hwm, '
+    "max_queue_size); every block the prefix cache stores or evicts, over ZeroMQ PUB "
+    "(docs/deployment.md)",
+    "prefix_caching_hash_algo": "the block hash KV events carry (vLLM's): sha256_cbor "
+    "(SHA-256 of canonical CBOR: what llm-d and Dynamo compute), sha256 (of a pickle) or "
+    "builtin (Python's hash()); the first block's parent is the hash of PYTHONHASHSEED, "
+    "random where unset (set it alike in the router). The prefix cache's own keys are not "
+    "these",
     "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
     "a long prompt's prefill may pause the running streams",
     "speculative": "speculative decoding without a draft model: 'ngram' drafts from the "
@@ -410,6 +434,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 "kernel": KERNELS,
                 "attention": ATTENTION,
                 "speculative": SPECULATIVE,
+                "prefix_caching_hash_algo": HASH_ALGOS,
                 "otlp_traces_protocol": OTLP_PROTOCOLS,
                 "log_payloads": PAYLOAD_MODES,
             }.get(f.name),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 # Settings fields also set by vLLM's flag of another name
@@ -101,3 +102,56 @@ def lora_module(entry: str) -> tuple[str, str]:
         raise ValueError(f"--lora-modules: {entry!r} is neither NAME=PATH nor "
                          '{"name": NAME, "path": PATH}')  # fmt: skip
     return name, path
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config (its KVEventsConfig's keys and defaults): where and how the
+    prefix cache's KV events are published (engine/kv_events.py, engine/kv_publisher.py)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = ""  # zmq | null; unset: zmq when events are enabled (vLLM's rule)
+    endpoint: str = "tcp://*:5557"  # the PUB socket: bound if it has *, ::, ipc:// or inproc://
+    replay_endpoint: str | None = None  # a ROUTER socket answering "batches since N"
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher's thread; more: dropped
+    topic: str = ""  # llm-d: kv@<pod-ip>:<port>@<model>
+
+    @property
+    def publishing(self) -> bool:
+        """Events are on and go somewhere (publisher zmq)."""
+        return self.enable_kv_cache_events and self.publisher in ("", "zmq")
+
+
+def kv_events_config(text: str) -> KVEventsConfig | None:
+    """--kv-events-config's JSON (None where empty); ValueError naming what is wrong."""
+    if not text.strip():
+        return None
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--kv-events-config is not JSON ({exc}): {text!r}") from exc
+    if not isinstance(spec, dict):
+        raise ValueError(f"--kv-events-config must be a JSON object, not {text!r}")
+    kinds = {f.name: type(f.default) for f in fields(KVEventsConfig)}
+    unknown = sorted(set(spec) - set(kinds))
+    if unknown:
+        raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(kinds)})")  # fmt: skip
+    for key, value in spec.items():
+        kind = str if key == "replay_endpoint" else kinds[key]
+        ok = isinstance(value, kind) and (kind is not int or not isinstance(value, bool))
+        if not ok and not (key == "replay_endpoint" and value is None):
+            raise ValueError(f"--kv-events-config: {key} must be of type {kind.__name__}, "
+                             f"not {value!r}")  # fmt: skip
+    config = KVEventsConfig(**spec)
+    if config.publisher not in ("", "zmq", "null"):
+        raise ValueError(f"--kv-events-config: publisher must be zmq or null, not "
+                         f"{config.publisher!r}")  # fmt: skip
+    if min(config.buffer_steps, config.hwm, config.max_queue_size) < 1:
+        raise ValueError("--kv-events-config: buffer_steps, hwm and max_queue_size must be >= 1")
+    if config.publishing and not config.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// "
+                         f"address, not {config.endpoint!r}")  # fmt: skip
+    return config

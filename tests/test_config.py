@@ -285,3 +285,45 @@ def test_batch_invariant_is_always_on() -> None:
                       ([], {"PREDICTOR_BATCH_INVARIANT": "off"})):  # fmt: skip
         with pytest.raises(ValueError, match="determinism is always on"):
             Settings.from_sources(argv, env)
+
+
+def publishing(config: str) -> bool:
+    events = Settings.from_sources(["--kv-events-config", config], {}).kv_events
+    return events is not None and events.publishing
+
+
+def test_kv_events_config_is_vllms_json() -> None:
+    config = '{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv@1.2.3.4:8000@m"}'
+    events = Settings.from_sources(["--kv-events-config", config], {}).kv_events
+    assert events is not None and events.publishing and events.topic == "kv@1.2.3.4:8000@m"
+    defaults = (events.endpoint, events.replay_endpoint, events.buffer_steps, events.hwm)
+    assert defaults == ("tcp://*:5557", None, 10_000, 100_000)  # vLLM's
+    assert Settings.from_sources([], {}).kv_events is None
+    # enabled without a publisher: zmq (vLLM's rule); "null" or not enabled: nothing published
+    assert publishing('{"enable_kv_cache_events": true}')
+    assert not publishing('{"enable_kv_cache_events": true, "publisher": "null"}')
+    assert not publishing('{"topic": "t"}')
+    env = {"PREDICTOR_KV_EVENTS_CONFIG": config, "PREDICTOR_PREFIX_CACHING_HASH_ALGO": "builtin"}
+    s = Settings.from_sources([], env)
+    assert s.kv_events is not None and s.prefix_caching_hash_algo == "builtin"
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [('{"enable_kv_cache_events": true, "topics": "x"}', "topics"),
+     ("{bad", "not JSON"), ("[]", "JSON object"), ('{"hwm": "many"}', "hwm"),
+     ('{"buffer_steps": 0}', "buffer_steps"), ('{"publisher": "kafka"}', "kafka"),
+     ('{"enable_kv_cache_events": true, "endpoint": "localhost:1"}', "endpoint"),
+     ('{"enable_kv_cache_events": 1}', "enable_kv_cache_events")],
+)  # fmt: skip
+def test_a_bad_kv_events_config_is_refused_naming_it(config: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        Settings.from_sources(["--kv-events-config", config], {})
+
+
+def test_kv_events_need_the_prefix_cache_and_a_known_hash() -> None:
+    on = ["--kv-events-config", '{"enable_kv_cache_events": true}']
+    with pytest.raises(ValueError, match="prefix-caching"):
+        Settings.from_sources([*on, "--no-enable-prefix-caching"], {})
+    with pytest.raises(SystemExit):
+        Settings.from_sources([*on, "--prefix-caching-hash-algo", "xxhash"], {})

@@ -56,8 +56,10 @@ class AsyncEngine:
         max_grammar_compiles: int = 16,
         on_step: Callable[[StepStats], None] | None = None,
         adapters: Adapters | None = None,
+        on_stop: Callable[[], None] | None = None,
     ) -> None:
         self._loop = step_loop
+        self._on_stop = on_stop  # after the step loop stops (the KV events' publisher closed)
         cache = step_loop.scheduler.allocator
         limits = Limits(max_tokens_limit, max_prompt_tokens, max_prompts, cache.num_blocks,
                         cache.block_size)  # fmt: skip
@@ -94,6 +96,13 @@ class AsyncEngine:
         self._stopped = True
         self._loop.stop()
         self.inputs.close()
+        if self._on_stop is not None:
+            self._on_stop()
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's POST /reset_prefix_cache): False, nothing done,
+        while a row holds blocks."""
+        return await asyncio.to_thread(self._loop.reset_prefix_cache)
 
     def live(self) -> bool:
         """False when the step thread died without being stopped, or rows are running and no

@@ -94,6 +94,10 @@ class EngineClient(Protocol):
         """Requests naming it get ModelMissing from now on."""
         ...
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing done) while a row holds blocks."""
+        ...
+
 
 def failure(event: TokenEvent) -> PredictorError:
     """The error a failed request's final event stands for: the client's (InvalidRequest, its
@@ -218,3 +222,6 @@ class AdapterClient:
 
     async def unload_adapter(self, name: str) -> None:
         await self.engine.unload_adapter(name)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.engine.reset_prefix_cache()

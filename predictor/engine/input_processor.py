@@ -165,6 +165,7 @@ class InputProcessor:
             deadline=deadline,
             cache_salt=request.cache_salt,
             adapter=0 if request.lora is None else self.adapter_slot(request.lora),
+            lora_name=request.lora,
             matcher=None if compiled is None else self.grammars().matcher(compiled),
             prompt_text=echo,
             echo_only=request.params.max_tokens == 0,

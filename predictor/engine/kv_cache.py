@@ -14,6 +14,11 @@ only past the tokens they hold, and an evicted block loses its key before it is 
 
 Rows take blocks as they need them: the whole prompt's (minus the cached ones) at admission,
 then one block at a time while decoding; the step loop preempts a row when none is left.
+
+KV events (kv_events.py, for prefix-aware routers): with an `Evictions` listener the allocator
+keeps each cached block's event hash (vLLM's, given by the scheduler when it registers the
+block) and tells the listener when a cached block loses its key (evicted) or the whole cache is
+reset; without one (the default) nothing of that is kept or called.
 """
 
 from __future__ import annotations
@@ -22,9 +27,18 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from collections.abc import Sequence as Blocks
+from typing import Any, Protocol
 
 # (parent block's hash or None, the block's token ids, extras such as the cache salt)
 BlockKey = tuple[int | None, tuple[int, ...], Hashable]
+
+
+class Evictions(Protocol):
+    """Told of the prefix cache's losses (kv_events.Recorder)."""
+
+    def removed(self, block_hash: Any) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -64,7 +78,9 @@ class BlockAllocator:
     is kept: evictable, LRU order), free. `available` = free + cached: what rows may take.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, evictions: Evictions | None = None
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
         self.num_blocks = num_blocks
@@ -80,6 +96,8 @@ class BlockAllocator:
         self._key_of: list[BlockKey | None] = [None] * num_blocks
         self._by_key: dict[BlockKey, int] = {}  # the cached prefixes: key -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refs 0, keyed; oldest first
+        self.evictions = evictions  # KV events: told of evictions and resets (None: off)
+        self._event_hash: dict[int, Any] = {}  # a cached block's event hash (events on only)
 
     @property
     def used(self) -> int:
@@ -123,21 +141,46 @@ class BlockAllocator:
                 del self._evictable[block]
             self._refs[block] += 1
 
-    def register(self, block: int, key: BlockKey) -> None:
-        """Key a held block that is full and computed, so later prompts can share it. A key
-        already cached (two rows computed the same prefix at once) stays with its block."""
+    def register(self, block: int, key: BlockKey) -> bool:
+        """Key a held block that is full and computed, so later prompts can share it; whether
+        it was. A key already cached (two rows computed the same prefix at once) stays with its
+        block."""
         if key not in self._by_key and self._key_of[block] is None:
             self._by_key[key] = block
             self._key_of[block] = key
+            return True
+        return False
+
+    def hashed(self, block: int, event_hash: Any) -> None:
+        """The event hash of a block just registered (told when it is evicted)."""
+        self._event_hash[block] = event_hash
+
+    def reset(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache): only while no row holds a
+        block (False: refused, nothing done), as a row's later blocks chain on its earlier
+        ones' keys. The listener hears one `cleared`, not each block."""
+        if self.used:
+            return False
+        for block in list(self._evictable):
+            self._forget(block, quiet=True)
+        self._event_hash.clear()
+        if self.evictions is not None:
+            self.evictions.cleared()
+        return True
 
     def _evict(self, count: int) -> None:
         """Forget the `count` least recently used cached blocks no row holds; they turn free."""
         for _ in range(count):
             self._forget(next(iter(self._evictable)))
 
-    def _forget(self, block: int) -> None:
-        """A cached block no row holds loses its key and turns free."""
+    def _forget(self, block: int, quiet: bool = False) -> None:
+        """A cached block no row holds loses its key and turns free (the listener told,
+        unless `quiet`)."""
         del self._evictable[block]
+        if self.evictions is not None and not quiet:
+            event_hash = self._event_hash.pop(block, None)
+            if event_hash is not None:
+                self.evictions.removed(event_hash)
         key = self._key_of[block]
         assert key is not None
         del self._by_key[key]

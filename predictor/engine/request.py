@@ -9,6 +9,7 @@ from typing import Any
 
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.kv_cache import BlockKey, extend_keys
+from predictor.engine.kv_events import BlockHash
 from predictor.engine.speculation import RowSpeculation
 from predictor.types import (
     FinishReason,
@@ -47,7 +48,10 @@ class Request:
     cache_salt: str | None = None  # prefix-cache extras: requests with other salts never share
     adapter: int = 0  # its LoRA adapter's slot in the runner (0: the base model); blocks
     # computed under one adapter are never shared with another's rows (a prefix-cache extra)
+    lora_name: str | None = None  # its adapter's name (KV events carry it)
     keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of full blocks
+    # KV events: vLLM's hashes of its full blocks, computed once each (only when events are on)
+    event_hashes: list[BlockHash] = field(default_factory=list)
     registered: int = 0  # leading blocks of `blocks` offered to the prefix cache
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     preemptions: int = 0  # times this row gave its blocks back to be recomputed later

@@ -28,7 +28,8 @@ import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from predictor.engine.kv_cache import BlockAllocator, blocks_for
+from predictor.engine.kv_cache import BlockAllocator, BlockKey, blocks_for
+from predictor.engine.kv_events import Recorder
 from predictor.engine.request import Request
 from predictor.engine.speculation import Policy, Proposer
 from predictor.engine.step import StepRow
@@ -90,6 +91,7 @@ class Scheduler:
         prefix_caching: bool = True,
         speculation: tuple[Proposer, Policy] | None = None,
         max_loras: int = 0,
+        events: Recorder | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
         # the cache this scheduler spends (a hand-built one for the scheduler's own tests)
@@ -101,6 +103,7 @@ class Scheduler:
         self.running: list[Request] = []  # admitted, holding blocks, in admission order
         self.queue = WaitingQueue(max_waiting)  # the rest, in `order`
         self.max_loras = max_loras  # distinct LoRA adapters in one step (0: any number)
+        self.events = events  # KV events of the prefix cache (None: off)
 
     # -- the queue (any thread) -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -371,9 +374,32 @@ class Scheduler:
         full = request.cached // size
         if request.registered < full:
             keys = request.block_keys(full, size)
-            for i in range(request.registered, full):
-                self.allocator.register(request.blocks[i], keys[i])
+            if self.events is not None:
+                self._register_told(request, keys, full)
+            else:
+                for i in range(request.registered, full):
+                    self.allocator.register(request.blocks[i], keys[i])
             request.registered = full
+
+    def _register_told(self, request: Request, keys: list[BlockKey], full: int) -> None:
+        """`_register` with KV events: each run of blocks the cache took is one BlockStored
+        (a block whose key another block holds already is not stored again)."""
+        assert self.events is not None
+        cache = self.allocator
+        run: list[int] = []  # the blocks of the current run, by index in the row
+        for i in range(request.registered, full + 1):
+            if i < full and cache.register(request.blocks[i], keys[i]):
+                run.append(i)
+                continue
+            if run:
+                hashes = self.events.stored(request, run[0], len(run), request.adapter or None)
+                for j, event_hash in zip(run, hashes, strict=True):
+                    cache.hashed(request.blocks[j], event_hash)
+                run = []
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: refused (False) while a row holds blocks."""
+        return self.allocator.reset()
 
     def remove_finished(self) -> list[Request]:
         """Drop finished rows, their blocks freed; return them."""

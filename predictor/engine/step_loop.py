@@ -167,7 +167,22 @@ class StepLoop:
         sampled, verified = self._forward(schedule) if schedule.rows else (0, Verified())
         self.scheduler.timed(schedule, time.perf_counter() - started)
         self.scheduler.remove_finished()
+        if self.scheduler.events is not None:  # the step's KV events, one batch
+            self.scheduler.events.flush()
         return self._stats(schedule, sampled, verified)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, between two steps (blocks the calling thread): False
+        while a row holds blocks (vLLM's answer), else True (an AllBlocksCleared event)."""
+
+        def reset() -> Chore:
+            done = self.scheduler.reset_prefix_cache()
+            if self.scheduler.events is not None:
+                self.scheduler.events.flush()
+            return done
+            yield  # a chore: a generator of one slice
+
+        return bool(self.run_chore(reset()))
 
     def _stats(
         self, schedule: Schedule, sampled: int = 0, verified: Verified | None = None

@@ -129,6 +129,11 @@ class Metrics:
             "Payload records dropped: the queue was full, or the sink failed.",
             registry=registry,
         )  # fmt: skip
+        self.kv_events_dropped = Counter(
+            "predictor_kv_events_dropped",
+            "KV-cache event batches dropped (--kv-events-config): the publisher's queue "
+            "(max_queue_size) was full, so a step's batch never went out.", registry=registry,
+        )  # fmt: skip
         self.running = Gauge(
             "predictor_num_requests_running", "Requests holding a batch row.", labels,
             registry=registry,

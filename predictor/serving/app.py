@@ -29,7 +29,7 @@ from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
 from predictor.serving.model import AdapterPredictor, LLMPredictor
 from predictor.serving.probe_logs import quiet_probes
-from predictor.serving.rest import completions, health, lora, messages, oip
+from predictor.serving.rest import completions, health, lora, messages, oip, prefix_cache
 from predictor.serving.rest.body import BodyGuard
 from predictor.serving.rest.meta import RequestMetaBinder
 from predictor.serving.rest.triton_admin import build_triton_router
@@ -168,6 +168,9 @@ class PredictorServer(ModelServer):
         await self._base_model().llm.unload_adapter(name)
         self.registered_models.unload(name)  # an adapter: nothing of the engine stops
 
+    async def _reset_prefix_cache(self) -> bool:
+        return await self._base_model().llm.reset_prefix_cache()
+
     def _base_model(self) -> LLMPredictor:
         """The model the adapters adapt (the one that runs the engine)."""
         for model in self.served_models():
@@ -228,6 +231,7 @@ class PredictorServer(ModelServer):
                 lora.build_router(
                     settings.allow_runtime_lora, self._load_adapter, self._unload_adapter
                 ),
+                prefix_cache.build_router(self._reset_prefix_cache),
             ],
             handlers=handlers,
         )
