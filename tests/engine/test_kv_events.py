@@ -81,10 +81,11 @@ VLLM_LORA_HASHES = [9643097150530800701, 11170191873018355659, 65271304645407680
 
 def test_the_cbor_is_canonical_cbor() -> None:
     cases: list[Any] = [None, 0, 23, 24, 255, 256, 65535, 65536, 2**32, 2**64 - 1, -1, -25,
-                        "", "é", b"", b"\x00" * 32, (), (1, [2, "x"]), ("a" * 300,)]  # fmt: skip
+                        "", "é", b"", b"\x00" * 32, (), (1, [2, "x"]), ("a" * 300,),
+                        (0, 23, 24, 255, 256, 65535, 65536, 2**32, 2**64 - 1), (5, -5)]  # fmt: skip
     for case in cases:
         assert cbor(case) == rfc_cbor(case), case
-    assert cbor(True) == b"\xf5" and cbor(False) == b"\xf4"
+    assert cbor(True) == b"\xf5" and cbor(False) == b"\xf4" and cbor((True, 1)) == b"\x82\xf5\x01"
     with pytest.raises(ValueError):
         cbor(2**64)
 
