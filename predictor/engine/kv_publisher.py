@@ -8,16 +8,16 @@ bytes big-endian; a REQ or DEALER client) is answered with every kept batch from
 `[seq, payload]` each, then `[-1 as 8 signed bytes, b""]`; the last `buffer_steps` batches are
 kept.
 
-`publish` never blocks the step loop: batches wait in a queue of `max_queue_size` for the
-publisher's thread; past that a batch is dropped and `on_drop` told (the metric
-predictor_kv_events_dropped_total). zmq is imported by `start`, only when events are on.
+`publish` never blocks the step loop, nor wakes a thread: a batch is appended to a deque of at
+most `max_queue_size` (past that it is dropped and `on_drop` told: the metric
+predictor_kv_events_dropped_total), which the publisher's thread empties every POLL_SECONDS,
+waiting in between on the replay socket (or a timer) with the GIL released: no thread switch is
+forced on the step loop once a step. zmq is imported by `start`, only when events are on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +30,7 @@ from predictor.engine.kv_events import KVEventBatch
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-POLL_SECONDS = 0.1  # how long the thread waits for a batch before looking at replay requests
+POLL_SECONDS = 0.005  # how often the thread sends what is queued (the events' added latency)
 
 
 def binds(endpoint: str) -> bool:
@@ -54,7 +54,9 @@ class ZmqPublisher:
         self._topic = topic.encode("utf-8")
         self._hwm = hwm
         self._on_drop = on_drop
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=max_queue_size)
+        self._queue: deque[KVEventBatch] = deque()  # appended by the step loop, popped here
+        self._max_queue = max_queue_size
+        self._stopping = threading.Event()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
         self._thread: threading.Thread | None = None
@@ -88,18 +90,18 @@ class ZmqPublisher:
                  self.replay_endpoint or "none", self._topic.decode())  # fmt: skip
 
     def publish(self, batch: KVEventBatch) -> None:
-        """Queue a batch for the thread; a full queue drops it (counted), never waits."""
-        try:
-            self._queue.put_nowait(batch)
-        except queue.Full:
+        """Queue a batch for the thread (one producer: the step loop); a full queue drops it
+        (counted). Never waits, never wakes the thread."""
+        if len(self._queue) >= self._max_queue:
             self._on_drop()
+            return
+        self._queue.append(batch)
 
     def stop(self, timeout: float = 1.0) -> None:
         """Send what is queued (for up to `timeout` seconds), then close the sockets."""
         if self._thread is None:
             return
-        with contextlib.suppress(queue.Full):  # a full queue: the thread stops at the join
-            self._queue.put(None, timeout=timeout)
+        self._stopping.set()
         self._thread.join(timeout)
         self._thread = None
         for sock in (self._pub, self._replay):
@@ -109,25 +111,27 @@ class ZmqPublisher:
     def _run(self) -> None:
         packer = msgpack.Packer()
         while True:
-            if self._replay is not None and self._replay.poll(0):
+            stopping = self._stopping.is_set()
+            while self._queue:
+                self._send(packer, self._queue.popleft())
+            if stopping:
+                return
+            if self._replay is None:
+                self._stopping.wait(POLL_SECONDS)
+            elif self._replay.poll(int(POLL_SECONDS * 1000)):
                 try:
                     self._answer_replay()
                 except Exception:  # a malformed request must not stop the events
                     log.exception("KV events: a replay request failed")
-            try:
-                batch = self._queue.get(timeout=POLL_SECONDS)
-            except queue.Empty:
-                continue
-            if batch is None:
-                return
-            try:
-                payload = packer.pack(batch.wire())
-                seq = self._seq.to_bytes(8, "big")
-                self._pub.send_multipart((self._topic, seq, payload))
-                self._buffer.append((self._seq, payload))
-                self._seq += 1
-            except Exception:
-                log.exception("KV events: a batch could not be sent")
+
+    def _send(self, packer: msgpack.Packer, batch: KVEventBatch) -> None:
+        try:
+            payload = packer.pack(batch.wire())
+            self._pub.send_multipart((self._topic, self._seq.to_bytes(8, "big"), payload))
+            self._buffer.append((self._seq, payload))
+            self._seq += 1
+        except Exception:  # the events go on; this batch is lost
+            log.exception("KV events: a batch could not be sent")
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
