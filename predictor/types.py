@@ -94,8 +94,11 @@ class GenerateRequest:
     # that set it for a lone user message also set prompt=content, chat=True.
     messages: tuple[dict[str, Any], ...] | None = None
     # OpenAI tools ({"type": "function", "function": {"name", "description", "parameters"}}),
-    # rendered into the prompt by `engine/tool_calls.py`; None: no tools in the prompt
+    # rendered into the prompt by `engine/tool_formats/`; None: no tools in the prompt
     tools: tuple[dict[str, Any], ...] | None = None
+    # the tool-call format (a parser name of `engine/tool_formats/`) tools and tool turns are
+    # rendered in: the served model's (`Limits.tool_format`)
+    tool_format: str = "hermes"
     # vLLM's cache_salt: prompts share cached KV blocks only with requests of the same salt
     # (None: the unsalted pool), so one tenant cannot learn another's prompts from timing
     cache_salt: str | None = None

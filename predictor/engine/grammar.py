@@ -52,10 +52,10 @@ from typing import Any
 
 import xgrammar as xgr
 
-from predictor.engine import tool_calls
 from predictor.engine.compile_pool import CompilePool, Job, default_threads
 from predictor.engine.grammar_check import empty_rule
 from predictor.engine.schema_check import check_schema
+from predictor.engine.tool_formats.base import schemas as tool_schemas
 from predictor.errors import InvalidRequest, Overloaded
 from predictor.types import Grammar
 
@@ -126,8 +126,8 @@ def _build(grammar: Grammar) -> xgr.Grammar:
         return xgr.Grammar.from_ebnf(choice_ebnf(json.loads(text)))
     if kind == "ebnf":
         return xgr.Grammar.from_ebnf(text)
-    if kind == "structural_tag":  # tool calls (engine/tool_calls.py)
-        for schema in tool_calls.schemas(json.loads(text)):
+    if kind == "structural_tag":  # tool calls (engine/tool_formats/)
+        for schema in tool_schemas(json.loads(text)):
             check_schema(schema, param)
         return _mend_strings(xgr.Grammar.from_structural_tag(text))
     raise InvalidRequest(f"'{param}': unknown grammar kind '{kind}'", param=param)

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from predictor.engine import tool_calls
+from predictor.engine import tool_formats
 from predictor.engine.adapters import Adapters
 from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
 from predictor.engine.kv_cache import blocks_for
@@ -101,7 +101,7 @@ class InputProcessor:
             # a template only adds text: an overlong conversation is refused before rendering
             # (jinja held the GIL for 8 ms at a time rendering a 4 MiB message)
             self._check_length(sum(map(len, _texts(conversation))))
-            text = self._render(conversation, request.tools)
+            text = self._render(conversation, request.tools, request.tool_format)
             self._check_length(len(text))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
@@ -181,22 +181,21 @@ class InputProcessor:
 
     # -- helpers -----------------------------------------------------------------------------
     def _render(
-        self, conversation: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None
+        self,
+        conversation: list[dict[str, Any]],
+        tools: Sequence[dict[str, Any]] | None,
+        tool_format: str = "hermes",
     ) -> str:
-        """The chat template's text; tools and tool turns as `engine/tool_calls.py` writes them
-        for a template that does not render them itself."""
-        if tool_calls.native(getattr(self.tokenizer, "chat_template", None)):
-            extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
-            return str(
-                self.tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=True, tokenize=False, **extra
-                )
-            )
-        if tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation):
-            conversation = tool_calls.plain_conversation(conversation, tools)
+        """The chat template's text; tools and tool turns as the request's tool-call format
+        (`engine/tool_formats/`) renders them for this template."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        fmt = tool_formats.get(tool_format)
+        turns, extra = fmt.render(
+            conversation, tools, template if isinstance(template, str) else None
+        )
         return str(
             self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False
+                turns, add_generation_prompt=True, tokenize=False, **extra
             )
         )
 
