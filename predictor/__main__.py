@@ -30,6 +30,7 @@ from predictor.engine.scheduler import Scheduler
 from predictor.engine.speculation import Policy, Proposer, SpeculationConfig
 from predictor.engine.step import Runner
 from predictor.engine.step_loop import StepLoop
+from predictor.engine.tool_formats import choose
 from predictor.errors import CheckpointError
 from predictor.model.builds import recorded_kernel
 from predictor.model.layout import resolve_checkpoint_dir, served_name
@@ -287,7 +288,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, OSError) as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
-    limits = Limits(settings.default_max_tokens, settings.max_json_depth)
+    template = getattr(loaded.tokenizer, "chat_template", None)
+    tool_format = choose(template if isinstance(template, str) else None,
+                         settings.tool_call_parser or None)  # fmt: skip
+    log.info("tool calls in the %s format", tool_format.name)
+    limits = Limits(settings.default_max_tokens, settings.max_json_depth, tool_format.name)
     predictor = LLMPredictor(name, engine, limits, observer)
     adapters = [AdapterPredictor(adapter, predictor, path) for adapter, path in settings.adapters]
     adapters += [AdapterPredictor(alias, predictor, None) for alias in settings.model_aliases]

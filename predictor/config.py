@@ -39,6 +39,10 @@ KERNELS = (*LOADER_KERNELS, AUTOTUNE, *FUSED_KERNELS)
 ATTENTION = ("auto", "native", "torch", "triton")
 SPECULATIVE = ("off", "ngram", "suffix")  # --speculative (engine/speculation.py)
 HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")  # --prefix-caching-hash-algo, vLLM's names
+# --tool-call-parser: engine/tool_formats/'s names (vLLM's), then the aliases it takes; ""
+# (the default): the one the chat template asks for
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "phi4_mini_json", "qwen",
+                     "qwen3_xml", "llama4_json", "phi4_mini")  # fmt: skip
 # the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
 # model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -115,6 +119,8 @@ class Settings:
     # nothing is copied, or under load, it switches itself off)
     speculative: str = "suffix"
     num_speculative_tokens: int = 8  # draft tokens a row verifies at most per step
+    # the tool-call format (engine/tool_formats/, vLLM's parser names); "": the chat template's
+    tool_call_parser: str = ""
     # LoRA adapters served beside the model, NAME=PATH each (vLLM's --lora-modules): PEFT
     # folders, all resident; a request picks one by its name as the model's
     lora_modules: tuple[str, ...] = ()
@@ -318,6 +324,9 @@ _HELP = {
     "its expected accepted tokens pay for it (so it switches itself off under load and where "
     "nothing is copied); 'off' never drafts",
     "num_speculative_tokens": "draft tokens a row verifies at most per step",
+    "tool_call_parser": "the tool-call format tools are rendered, forced and parsed in (vLLM's "
+    "names: hermes, llama3_json, mistral, phi4_mini_json); empty: the one the chat template "
+    "asks for (docs/openai.md, 'Tool formats')",
     "lora_modules": "LoRA adapters served beside the model: NAME=PATH entries (PEFT folders: "
     "adapter_config.json and adapter_model.safetensors); a request runs one by naming it as "
     "its model (OpenAI `model`, the V2 / OIP / Triton path); vLLM's flag",
@@ -435,6 +444,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 "attention": ATTENTION,
                 "speculative": SPECULATIVE,
                 "prefix_caching_hash_algo": HASH_ALGOS,
+                "tool_call_parser": TOOL_CALL_PARSERS,
                 "otlp_traces_protocol": OTLP_PROTOCOLS,
                 "log_payloads": PAYLOAD_MODES,
             }.get(f.name),

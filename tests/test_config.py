@@ -327,3 +327,15 @@ def test_kv_events_need_the_prefix_cache_and_a_known_hash() -> None:
         Settings.from_sources([*on, "--no-enable-prefix-caching"], {})
     with pytest.raises(SystemExit):
         Settings.from_sources([*on, "--prefix-caching-hash-algo", "xxhash"], {})
+
+
+def test_tool_call_parser_takes_the_served_formats_by_vllms_names() -> None:
+    from predictor.engine import tool_formats
+
+    assert Settings.from_sources([], {}).tool_call_parser == ""  # the template's
+    for name in config.TOOL_CALL_PARSERS[1:]:  # each name the flag takes is served
+        assert tool_formats.get(name).name in tool_formats.NAMES
+        assert Settings.from_sources(["--tool-call-parser", name], {}).tool_call_parser == name
+    assert set(tool_formats.NAMES) <= set(config.TOOL_CALL_PARSERS)
+    with pytest.raises(SystemExit):
+        Settings.from_sources(["--tool-call-parser", "pythonic"], {})

@@ -91,3 +91,4 @@ class Limits:
 
     default_max_tokens: int  # a request's max_tokens when it names none
     max_json_depth: int  # nesting of JSON the decoders parse themselves
+    tool_format: str = "hermes"  # the model's tool-call format (engine/tool_formats/ names)

@@ -50,7 +50,9 @@ def requested_model(body: Any) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def decode_messages(body: Any, default_max_tokens: int, counting: bool = False) -> MessagesRequest:
+def decode_messages(
+    body: Any, default_max_tokens: int, counting: bool = False, tool_format: str = "hermes"
+) -> MessagesRequest:
     """A /v1/messages body (`counting`: a count_tokens body, where max_tokens may be left out)."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
@@ -66,14 +68,14 @@ def decode_messages(body: Any, default_max_tokens: int, counting: bool = False) 
     thinking_check(parsed.thinking)
     sampling = replace(values.sampling, grammar=output_grammar(parsed.output_config))
     choice, parallel = _tool_choice(parsed.tool_choice)
-    tools, sampling = chat.tool_setup(_tools(parsed.tools), choice, parallel, sampling)
+    tools, sampling = chat.tool_setup(_tools(parsed.tools), choice, parallel, sampling, tool_format)
     turns = chat.conversation(chat_messages(parsed.system, parsed.messages))
     base = f"msg_{uuid.uuid4().hex[:24]}"
-    prompt = chat.chat_prompt(base, turns, tools)
+    prompt = chat.chat_prompt(base, turns, tools, tool_format)
     tenant = parsed.metadata.user_id if parsed.metadata is not None else None
     request = GenerateRequest(
         base, prompt.prompt, sampling, chat=True, messages=prompt.messages, tools=tools,
-        cache_salt=values.cache_salt, tenant=tenant,
+        cache_salt=values.cache_salt, tenant=tenant, tool_format=tool_format,
     )  # fmt: skip
     return MessagesRequest(base, parsed.model, request, bool(parsed.stream), tools is not None)
 

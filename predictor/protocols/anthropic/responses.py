@@ -2,7 +2,7 @@
 
 A text is cut into content blocks by one `ContentBuilder`, streamed or whole, so a stream's
 blocks are the whole answer's: without tools, one text block; with tools, the engine's call
-parser (`engine/tool_calls.py`, the model's format) splits it into text blocks and `tool_use`
+parser (`engine/tool_formats/`, the model's format) splits it into text blocks and `tool_use`
 blocks in the order written, a call's input streamed as `input_json_delta` pieces. Usage says
 the prompt as Anthropic does: `input_tokens` computed, `cache_read_input_tokens` served from the
 prefix cache (their sum is count_tokens' answer), `cache_creation_input_tokens` 0.
@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from predictor.engine import tool_calls
+from predictor.engine import tool_formats
 from predictor.protocols.anthropic.requests import MessagesRequest
 from predictor.types import Completion, FinishReason, TokenEvent, Usage
 
@@ -66,8 +66,9 @@ def tool_input(arguments: str) -> dict[str, Any]:
 class ContentBuilder:
     """Text as it comes -> content block events (start, delta, stop), and the blocks whole."""
 
-    def __init__(self, tools: bool) -> None:
-        self._parser = tool_calls.StreamParser() if tools else None
+    def __init__(self, tool_format: str | None) -> None:
+        """`tool_format`: the format calls are read in; None: the text is not read for calls."""
+        self._parser = None if tool_format is None else tool_formats.get(tool_format).parser()
         self.blocks: list[dict[str, Any]] = []
         self._arguments: list[str] = []  # per block: a tool_use block's input text so far
         self._open = False
@@ -75,7 +76,7 @@ class ContentBuilder:
 
     def feed(self, text: str, final: bool) -> list[Event]:
         if self._parser is None:
-            pieces = [tool_calls.Delta("content", text)] if text else []
+            pieces = [tool_formats.Delta("content", text)] if text else []
         else:
             pieces = self._parser.feed(text) + (self._parser.finish() if final else [])
         out: list[Event] = []
@@ -132,7 +133,7 @@ def _message(
 
 def message_body(request: MessagesRequest, completion: Completion) -> dict[str, Any]:
     """The whole answer."""
-    builder = ContentBuilder(request.tools)
+    builder = ContentBuilder(request.request.tool_format if request.tools else None)
     builder.feed(completion.text, final=True)
     body = _message(request, builder.blocks, completion.usage)
     body["stop_reason"] = reason = stop_reason(completion.finish_reason, builder.called)
@@ -146,7 +147,7 @@ class StreamEncoder:
 
     def __init__(self, request: MessagesRequest) -> None:
         self.request = request
-        self._builder = ContentBuilder(request.tools)
+        self._builder = ContentBuilder(request.request.tool_format if request.tools else None)
         self._pinged = False
 
     def opening(self, first: TokenEvent) -> list[Event]:

@@ -1,6 +1,6 @@
 """Chat messages and tools in OpenAI's shapes -> what the engine takes: each turn as the chat
 template takes it (HF's shape for tool turns), and the tools with the grammar their
-`tool_choice` asks for. The tool-call format itself is the engine's (`engine/tool_calls.py`:
+`tool_choice` asks for. The tool-call format itself is the engine's (`engine/tool_formats/`:
 the model's format); `protocols/openai/requests.py` reads the rest of a chat body."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from predictor.engine import tool_calls
+from predictor.engine import tool_formats
 from predictor.errors import InvalidRequest
 from predictor.types import GenerateRequest, Grammar, SamplingParams
 
@@ -112,16 +112,22 @@ def conversation(messages: Sequence[Message]) -> tuple[dict[str, Any], ...]:
 
 
 def chat_prompt(
-    request_id: str, turns: tuple[dict[str, Any], ...], tools: tuple[dict[str, Any], ...] | None
+    request_id: str,
+    turns: tuple[dict[str, Any], ...],
+    tools: tuple[dict[str, Any], ...] | None,
+    tool_format: str = "hermes",
 ) -> GenerateRequest:
     """A conversation (and its tools) as the prompt of an engine request (chat completions and
     Anthropic's Messages alike; each choice copies it with its own sampling)."""
     if len(turns) == 1 and turns[0]["role"] == "user":
         # the engine's own single-message chat path renders the same template
         return GenerateRequest(
-            request_id, turns[0]["content"], chat=True, messages=turns, tools=tools
-        )
-    return GenerateRequest(request_id, "", chat=True, messages=turns, tools=tools)
+            request_id, turns[0]["content"], chat=True, messages=turns, tools=tools,
+            tool_format=tool_format,
+        )  # fmt: skip
+    return GenerateRequest(
+        request_id, "", chat=True, messages=turns, tools=tools, tool_format=tool_format
+    )
 
 
 def tool_setup(
@@ -129,10 +135,12 @@ def tool_setup(
     choice: Literal["none", "auto", "required"] | NamedToolChoice | None,
     parallel_calls: bool | None,
     sampling: SamplingParams,
+    tool_format: str = "hermes",
 ) -> tuple[tuple[dict[str, Any], ...] | None, SamplingParams]:
     """The tools the prompt shows and the sampling with their grammar: `required` and a named
     tool force calls, `auto` lets the model choose; either way a call parses and its arguments
-    validate. `none` (or no tools): no tools in the prompt, no calls read back."""
+    validate, in the model's format (`tool_format`, a parser name of `engine/tool_formats/`).
+    `none` (or no tools): no tools in the prompt, no calls read back."""
     if not given:
         if choice is not None and choice != "none":
             raise InvalidRequest("'tool_choice' needs 'tools'", param="tool_choice")
@@ -158,7 +166,8 @@ def tool_setup(
             param=sampling.grammar.param,
         )
     parallel = parallel_calls is not False
-    grammar = Grammar("structural_tag", tool_calls.structural_tag(functions, wanted, parallel))
+    fmt = tool_formats.get(tool_format)
+    grammar = Grammar("structural_tag", fmt.structural_tag(functions, wanted, parallel))
     grammar = replace(grammar, param="tools")
     tools = tuple({"type": "function", "function": f} for f in functions)
     return tools, replace(sampling, grammar=grammar)

@@ -5,7 +5,7 @@ The sampling keys (max_tokens, temperature, stop, ...) are read by the one param
 strict pydantic models: a wrong type, a value out of range or a field we do not know is an
 `InvalidRequest` naming it (`param`). Fields OpenAI defines that we cannot honour (functions,
 audio, ...) are refused by name unless they hold their harmless default. Tools: the calls'
-format, grammar and parsing are the engine's (`engine/tool_calls.py`: the model's format). The
+format, grammar and parsing are the engine's (`engine/tool_formats/`: the model's format). The
 response shapes are in `protocols/openai/responses.py`, the routes in `serving/rest/completions.py`.
 """
 
@@ -264,7 +264,7 @@ def _choices(
                 GenerateRequest(
                     rid, prompt.prompt, params, prompt.chat, messages=prompt.messages,
                     cache_salt=salt, prompt_ids=prompt.prompt_ids, tools=prompt.tools,
-                    echo=echo, tenant=tenant,
+                    echo=echo, tenant=tenant, tool_format=prompt.tool_format,
                 )
             )  # fmt: skip
     return tuple(out)
@@ -362,7 +362,7 @@ def decode_detokenize(body: Any) -> DetokenizeBody:
     return _strict(DetokenizeBody, body)
 
 
-def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
+def decode_chat(body: Any, default_max_tokens: int, tool_format: str = "hermes") -> OpenAIRequest:
     parsed, values = _validate(
         ChatBody, body, default_max_tokens, {"max_completion_tokens": "max_tokens"}
     )
@@ -375,11 +375,12 @@ def decode_chat(body: Any, default_max_tokens: int) -> OpenAIRequest:
         parsed.tool_choice,
         parsed.parallel_tool_calls,
         replace(values.sampling, logprobs=k),
+        tool_format,
     )
     stream, include_usage = _stream_flags(parsed)
     asked = _check_prompt_logprobs(sampling, stream, echo=False)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    prompt = chat_prompt(base, conversation(parsed.messages), tools)
+    prompt = chat_prompt(base, conversation(parsed.messages), tools, tool_format)
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
         _choices(base, [prompt], n, sampling, values.cache_salt, tenant=parsed.user), stream,

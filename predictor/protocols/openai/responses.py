@@ -26,7 +26,8 @@ from openai.types.completion_usage import CompletionTokensDetails, PromptTokensD
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel
 
-from predictor.engine import tool_calls
+from predictor.engine import tool_formats
+from predictor.engine.tool_formats.base import split_with
 from predictor.protocols.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from predictor.protocols.openai.requests import OpenAIRequest
 from predictor.types import (
@@ -61,7 +62,7 @@ def _message(request: OpenAIRequest, text: str) -> tuple[ChatCompletionMessage, 
     """The assistant's message; with tools, the calls read out of its text."""
     if not request.tools:
         return ChatCompletionMessage(role="assistant", content=text), False
-    content, calls = tool_calls.split(text)
+    content, calls = split_with(tool_formats.get(request.choices[0].tool_format).parser(), text)
     message = ChatCompletionMessage(role="assistant", content=content)
     if calls:
         message.tool_calls = [
@@ -203,7 +204,8 @@ class ChunkEncoder:
         self._offsets = [0] * count
         self._usages: list[Usage | None] = [None] * count
         # with tools: each choice's text read for calls, and each call's id
-        self._parsers = [tool_calls.StreamParser() for _ in range(count if request.tools else 0)]
+        fmt = tool_formats.get(request.choices[0].tool_format)
+        self._parsers = [fmt.parser() for _ in range(count if request.tools else 0)]
         self._call_ids: list[list[str]] = [[] for _ in range(count)]
 
     def opening(self) -> list[str]:

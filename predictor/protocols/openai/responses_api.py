@@ -332,8 +332,11 @@ def _tool_choice(
     return NamedToolChoice(type="function", function=NamedFunction(name=named.name))
 
 
-def decode_responses(body: Any, default_max_tokens: int) -> ResponsesRequest:
-    """A Responses body -> the engine's chat request and what the answer echoes."""
+def decode_responses(
+    body: Any, default_max_tokens: int, tool_format: str = "hermes"
+) -> ResponsesRequest:
+    """A Responses body -> the engine's chat request and what the answer echoes (tools in
+    `tool_format`, the model's)."""
     _refuse_state(body)
     parsed, values = validate_body(
         ResponsesBody, body, default_max_tokens, _FIELD_NAMES, RENAMES, TABLE_KEYS
@@ -360,13 +363,14 @@ def decode_responses(body: Any, default_max_tokens: int) -> ResponsesRequest:
     try:
         tools, sampling = tool_setup(
             chat_tools, _tool_choice(parsed.tool_choice), parsed.parallel_tool_calls,
-            replace(values.sampling, grammar=grammar),
+            replace(values.sampling, grammar=grammar), tool_format,
         )  # fmt: skip
     except InvalidRequest as exc:  # chat's names, said as Responses names them
         param = "tool_choice.name" if exc.param == "tool_choice.function.name" else exc.param
         raise InvalidRequest(str(exc), param=param) from exc
     base = f"resp_{uuid.uuid4().hex}"
-    prompt = chat_prompt(base, conversation(_messages(parsed.instructions, parsed.input)), tools)
+    turns = conversation(_messages(parsed.instructions, parsed.input))
+    prompt = chat_prompt(base, turns, tools, tool_format)
     request = replace(prompt, params=sampling, cache_salt=values.cache_salt, tenant=parsed.user)
     return ResponsesRequest(
         base, parsed.model, int(time.time()), request, bool(parsed.stream),

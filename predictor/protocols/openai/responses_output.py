@@ -1,11 +1,11 @@
 """Our types -> the Responses API's response object and its stream of events.
 
 One `ResponseEncoder` per request reads the answer's text as it comes (with tools, through the
-engine's call parser, `tool_calls.StreamParser`) and turns it into output items: a message item
-for text, a function_call item per call, in the order the text has them. A stream sends each
-step as the Responses events (`response.output_item.added`, `response.output_text.delta`, ...,
-`response.completed`); a unary answer feeds the whole text to the same encoder and sends only
-the final response object, so the two always agree.
+engine's call parser of the model's format, `engine/tool_formats/`) and turns it into output
+items: a message item for text, a function_call item per call, in the order the text has them.
+A stream sends each step as the Responses events (`response.output_item.added`,
+`response.output_text.delta`, ..., `response.completed`); a unary answer feeds the whole text
+to the same encoder and sends only the final response object, so the two always agree.
 
 Every body is validated by the `openai` package's own pydantic types, so its shape follows the
 SDK's (`openai.types.responses`). A response cut by `max_output_tokens` or the deadline has
@@ -36,7 +36,7 @@ from openai.types.responses import (
 )
 from pydantic import BaseModel
 
-from predictor.engine import tool_calls
+from predictor.engine import tool_formats
 from predictor.protocols.openai.responses_api import ResponsesRequest
 from predictor.types import FinishReason, Usage
 
@@ -88,11 +88,11 @@ class ResponseEncoder:
     items: list[_Item] = field(default_factory=list)
     _sequence: int = 0
     _open: _Item | None = None
-    _parser: tool_calls.StreamParser | None = None
+    _parser: tool_formats.Parser | None = None
 
     def __post_init__(self) -> None:
         if self.request.reads_calls:
-            self._parser = tool_calls.StreamParser()
+            self._parser = tool_formats.get(self.request.request.tool_format).parser()
 
     # -- events ---------------------------------------------------------------------------------
 

@@ -121,7 +121,7 @@ async def answer(model: ServedModel, request: OpenAIRequest) -> Response:
     return Response(encode(request, results), media_type="application/json")
 
 
-Decode = Callable[[Any, int], OpenAIRequest]
+Decode = Callable[[Any, int, str], OpenAIRequest]  # body, default max_tokens, tool format
 
 
 def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRouter:
@@ -135,7 +135,8 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
             name = requests.requested_model(body)
             model = ready_model(resolve, name) if name is not None else None
             limit = model.limits.default_max_tokens if model is not None else 1
-            parsed = decode(body, limit)
+            fmt = model.limits.tool_format if model is not None else "hermes"
+            parsed = decode(body, limit, fmt)
             assert model is not None  # a body without a model name is refused by decode
             if parsed.stream:
                 return await start_stream(model, parsed)
@@ -144,7 +145,7 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
             return openai_response(exc)
 
     async def completions(request: Request) -> Response:
-        return await serve(request, requests.decode_completion)
+        return await serve(request, lambda body, limit, _: requests.decode_completion(body, limit))
 
     async def chat_completions(request: Request) -> Response:
         return await serve(request, requests.decode_chat)

@@ -74,7 +74,8 @@ def build_router(resolve: Resolve) -> APIRouter:
             body = await read_json(request)
             model = model_of(body)
             limit = model.limits.default_max_tokens if model is not None else 1
-            parsed = requests.decode_messages(body, limit)
+            fmt = model.limits.tool_format if model is not None else "hermes"
+            parsed = requests.decode_messages(body, limit, tool_format=fmt)
             assert model is not None  # a body without a model name is refused by decode
             if parsed.stream:
                 return await start_stream(model, parsed)
@@ -88,7 +89,8 @@ def build_router(resolve: Resolve) -> APIRouter:
             body = await read_json(request)
             model = model_of(body)
             limit = model.limits.default_max_tokens if model is not None else 1
-            parsed = requests.decode_messages(body, limit, counting=True)
+            fmt = model.limits.tool_format if model is not None else "hermes"
+            parsed = requests.decode_messages(body, limit, counting=True, tool_format=fmt)
             assert model is not None
             ids = await model.llm.tokenize(parsed.request)
             return JSONResponse(responses.count_body(len(ids)))

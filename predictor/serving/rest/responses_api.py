@@ -101,7 +101,8 @@ def build_router(resolve: Resolve) -> APIRouter:
             name = requests.requested_model(body)
             model = ready_model(resolve, name) if name is not None else None
             limit = model.limits.default_max_tokens if model is not None else 1
-            parsed = decode_responses(body, limit)
+            fmt = model.limits.tool_format if model is not None else "hermes"
+            parsed = decode_responses(body, limit, fmt)
             assert model is not None  # a body without a model name is refused by decode
             if parsed.stream:
                 return await start_stream(model, parsed)
