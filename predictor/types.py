@@ -26,7 +26,7 @@ class Grammar:
     kind: "json_schema" (text: the schema's JSON), "json_object" (any JSON object; text ""),
     "regex" (text: the pattern), "choice" (text: a JSON list of the allowed strings), "ebnf"
     (text: an EBNF grammar, xgrammar's / GBNF dialect, rule `root`) or "structural_tag" (text:
-    an xgrammar structural tag's JSON; the tool calls of `engine/tool_calls.py`). `param` names
+    an xgrammar structural tag's JSON; the tool calls of `engine/tool_formats/`). `param` names
     the request key it came from, for the 400 when the engine cannot enforce it.
     """
 
