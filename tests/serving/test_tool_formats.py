@@ -22,18 +22,19 @@ from tests.serving.test_tool_calls import ASK, TOOLS, check_calls
 from tests.support import ServerProcess, built_once
 
 TEMPLATES = Path(__file__).parents[1] / "engine" / "tool_formats" / "templates"
-# format -> (the checkpoint's family, its template)
+# label -> (the checkpoint's family, its template, the format it asks for)
 FAMILIES = {
-    "llama3_json": ("llama", "llama-3.2.jinja"),
-    "mistral": ("mistral", "mistral-7b-instruct-v0.3.jinja"),
-    "phi4_mini_json": ("phi3", "phi-4-mini-instruct.jinja"),
-    "hermes": ("gemma3_text", "gemma-3.jinja"),  # Gemma's templates show no tool format
+    "llama3.2": ("llama", "llama-3.2.jinja", "llama3_json"),
+    "mistral-v0.3": ("mistral", "mistral-7b-instruct-v0.3.jinja", "mistral"),
+    "phi-4-mini": ("phi3", "phi-4-mini-instruct.jinja", "phi4_mini_json"),
+    "qwen3": ("qwen3", "qwen3.jinja", "hermes"),  # renders `tools` itself
+    "gemma3": ("gemma3_text", "gemma-3.jinja", "hermes"),  # shows no tool format
 }
 NAMED = {"type": "function", "function": {"name": "convert"}}
 
 
-def family_checkpoint(workdir: Path, tokenizer_dir: Path, fmt: str) -> Path:
-    family, template = FAMILIES[fmt]
+def family_checkpoint(workdir: Path, tokenizer_dir: Path, label: str) -> Path:
+    family, template, _ = FAMILIES[label]
 
     def build(out: Path) -> None:
         tokens = out.with_name(out.name + "-tokenizer")
@@ -42,7 +43,7 @@ def family_checkpoint(workdir: Path, tokenizer_dir: Path, fmt: str) -> Path:
         shutil.copyfile(TEMPLATES / template, tokens / "chat_template.jinja")
         write_checkpoint(out, SHAPES["tiny"], Layout(4, 32), tokens, seed=5, family=family)
 
-    return built_once(workdir / "tool-formats" / f"{family}-{fmt}", build)
+    return built_once(workdir / "tool-formats" / label, build)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -51,7 +52,7 @@ def family_server(
 ) -> Iterator[tuple[str, ServerProcess]]:
     path = family_checkpoint(workdir, tokenizer_dir, request.param)
     with ServerProcess.start(path, "tiny", extra=["--max-tokens-limit", "512"]) as server:
-        yield request.param, server
+        yield FAMILIES[request.param][2], server
 
 
 def streamed_calls(server: ServerProcess, **kwargs: Any) -> dict[int, tuple[str, list[Any]]]:

@@ -131,6 +131,7 @@ def test_an_object_that_is_no_call_stays_text(name: str) -> None:
         ("mistral-7b-instruct-v0.3.jinja", "mistral"),
         ("phi-4-mini-instruct.jinja", "phi4_mini_json"),
         ("gemma-3.jinja", "hermes"),
+        ("qwen3.jinja", "hermes"),
         (None, "hermes"),
     ],
 )
@@ -166,6 +167,7 @@ ROUND_TRIP: list[dict[str, Any]] = [
          ["<|tool|>[{", '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Rome"',
           "<|tool|>21 C<|end|>"]),
         ("gemma-3.jinja", ["<tool_call>", "<tool_response>\n21 C", "Be brief."]),
+        ("qwen3.jinja", ["<tools>\n{", '<tool_call>\n{"name": "get_weather"', "<tool_response>\n21 C"]),
     ],
 )  # fmt: skip
 def test_a_tool_round_trip_renders_through_the_real_template(
