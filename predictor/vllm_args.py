@@ -77,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_boolean(
         parser, ["--enable-lora"], "enable_lora", False, "vLLM's; adapters need no switch here"
     )
+    # vLLM's switch for tool_choice "auto" (beside --tool-call-parser): always served here
+    add_boolean(
+        parser, ["--enable-auto-tool-choice"], "enable_auto_tool_choice", False,
+        "vLLM's; tool_choice auto needs no switch here",
+    )  # fmt: skip
 
 
 class _ServedNames(argparse.Action):
