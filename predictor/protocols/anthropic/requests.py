@@ -44,12 +44,6 @@ class MessagesRequest:
     tools: bool  # whether the answer's text is read for tool calls
 
 
-def requested_model(body: Any) -> str | None:
-    """The `model` named in a body, if any (looked up before the rest is checked)."""
-    model = body.get("model") if isinstance(body, dict) else None
-    return model if isinstance(model, str) else None
-
-
 def decode_messages(
     body: Any, default_max_tokens: int, counting: bool = False, tool_format: str = "hermes"
 ) -> MessagesRequest:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -26,8 +27,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from predictor.errors import BodyTooLarge, InvalidRequest, PredictorError
 from predictor.protocols.limits import check_depth, check_plain
+from predictor.protocols.openai.requests import requested_model
 from predictor.serving.errors import anthropic_response, openai_response, v2_response
 from predictor.serving.rest.routes import is_anthropic_path, is_openai_path
+from predictor.serving.served import Resolve, ServedModel, ready_model
+
+T = TypeVar("T")
 
 _PARSED = "predictor.parsed_body"  # scope key: the JSON value the guard parsed
 
@@ -157,3 +162,19 @@ class BodyGuard:
             watcher.cancel()
             route.cancel()
             await asyncio.gather(watcher, route, return_exceptions=True)
+
+
+async def model_and_body(
+    request: Request, resolve: Resolve, decode: Callable[[Any, int, str], T]
+) -> tuple[ServedModel, T]:
+    """A generation route's first step: the ready model the body names and the body decoded
+    with that model's default max_tokens and tool-call format (`decode(body, default,
+    format)`); a body naming no model is refused by `decode`, in its protocol's words."""
+    body = await read_json(request)
+    name = requested_model(body)
+    model = ready_model(resolve, name) if name is not None else None
+    limits = model.limits if model is not None else None
+    parsed = decode(body, limits.default_max_tokens if limits else 1,
+                    limits.tool_format if limits else "hermes")  # fmt: skip
+    assert model is not None  # a body without a model name is refused by decode
+    return model, parsed

@@ -24,7 +24,7 @@ from predictor.protocols.openai import requests, responses
 from predictor.protocols.openai.requests import OpenAIRequest
 from predictor.serving.errors import openai_body, openai_response
 from predictor.serving.rest import responses_api
-from predictor.serving.rest.body import read_json
+from predictor.serving.rest.body import model_and_body, read_json
 from predictor.serving.rest.routes import OPENAI_PREFIXES, openapi_extra
 from predictor.serving.served import Resolve, ServedModel, ready_model
 from predictor.serving.streaming import DONE, first_event, sse, sse_response
@@ -131,13 +131,7 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
 
     async def serve(request: Request, decode: Decode) -> Response:
         try:
-            body = await read_json(request)
-            name = requests.requested_model(body)
-            model = ready_model(resolve, name) if name is not None else None
-            limit = model.limits.default_max_tokens if model is not None else 1
-            fmt = model.limits.tool_format if model is not None else "hermes"
-            parsed = decode(body, limit, fmt)
-            assert model is not None  # a body without a model name is refused by decode
+            model, parsed = await model_and_body(request, resolve, decode)
             if parsed.stream:
                 return await start_stream(model, parsed)
             return await answer(model, parsed)

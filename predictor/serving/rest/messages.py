@@ -21,9 +21,9 @@ from predictor.protocols import schemas
 from predictor.protocols.anthropic import requests, responses
 from predictor.protocols.anthropic.requests import MessagesRequest
 from predictor.serving.errors import anthropic_body, anthropic_response
-from predictor.serving.rest.body import read_json
+from predictor.serving.rest.body import model_and_body
 from predictor.serving.rest.routes import MESSAGES, OPENAI_PREFIXES, openapi_extra
-from predictor.serving.served import Resolve, ServedModel, ready_model
+from predictor.serving.served import Resolve, ServedModel
 from predictor.serving.streaming import first_event, sse_event, sse_response
 from predictor.types import TokenEvent
 
@@ -65,18 +65,15 @@ async def answer(model: ServedModel, request: MessagesRequest) -> Response:
 def build_router(resolve: Resolve) -> APIRouter:
     router = APIRouter()
 
-    def model_of(body: object) -> ServedModel | None:
-        name = requests.requested_model(body)
-        return ready_model(resolve, name) if name is not None else None
+    def message(body: object, default_max_tokens: int, tool_format: str) -> MessagesRequest:
+        return requests.decode_messages(body, default_max_tokens, tool_format=tool_format)
+
+    def counting(body: object, default_max_tokens: int, tool_format: str) -> MessagesRequest:
+        return requests.decode_messages(body, default_max_tokens, True, tool_format)
 
     async def messages(request: Request) -> Response:
         try:
-            body = await read_json(request)
-            model = model_of(body)
-            limit = model.limits.default_max_tokens if model is not None else 1
-            fmt = model.limits.tool_format if model is not None else "hermes"
-            parsed = requests.decode_messages(body, limit, tool_format=fmt)
-            assert model is not None  # a body without a model name is refused by decode
+            model, parsed = await model_and_body(request, resolve, message)
             if parsed.stream:
                 return await start_stream(model, parsed)
             return await answer(model, parsed)
@@ -86,12 +83,7 @@ def build_router(resolve: Resolve) -> APIRouter:
     async def count_tokens(request: Request) -> Response:
         """{"input_tokens": N}: the prompt as /v1/messages would send it, tools included."""
         try:
-            body = await read_json(request)
-            model = model_of(body)
-            limit = model.limits.default_max_tokens if model is not None else 1
-            fmt = model.limits.tool_format if model is not None else "hermes"
-            parsed = requests.decode_messages(body, limit, counting=True, tool_format=fmt)
-            assert model is not None
+            model, parsed = await model_and_body(request, resolve, counting)
             ids = await model.llm.tokenize(parsed.request)
             return JSONResponse(responses.count_body(len(ids)))
         except PredictorError as exc:

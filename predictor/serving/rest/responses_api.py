@@ -17,13 +17,12 @@ from fastapi.responses import Response
 from predictor.engine.client import Stream, failure
 from predictor.errors import PredictorError
 from predictor.protocols import schemas
-from predictor.protocols.openai import requests
 from predictor.protocols.openai.responses_api import ResponsesRequest, decode_responses
 from predictor.protocols.openai.responses_output import Event, ResponseEncoder
 from predictor.serving.errors import openai_body, openai_response
-from predictor.serving.rest.body import read_json
+from predictor.serving.rest.body import model_and_body
 from predictor.serving.rest.routes import OPENAI_PREFIXES, openapi_extra
-from predictor.serving.served import Resolve, ServedModel, ready_model
+from predictor.serving.served import Resolve, ServedModel
 from predictor.serving.streaming import first_event, sse_response
 from predictor.types import TokenEvent
 
@@ -97,13 +96,7 @@ def build_router(resolve: Resolve) -> APIRouter:
 
     async def responses(request: Request) -> Response:
         try:
-            body = await read_json(request)
-            name = requests.requested_model(body)
-            model = ready_model(resolve, name) if name is not None else None
-            limit = model.limits.default_max_tokens if model is not None else 1
-            fmt = model.limits.tool_format if model is not None else "hermes"
-            parsed = decode_responses(body, limit, fmt)
-            assert model is not None  # a body without a model name is refused by decode
+            model, parsed = await model_and_body(request, resolve, decode_responses)
             if parsed.stream:
                 return await start_stream(model, parsed)
             return await answer(model, parsed)
