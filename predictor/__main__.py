@@ -23,6 +23,7 @@ from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.kv_events import Recorder
 from predictor.engine.kv_publisher import ZmqPublisher
+from predictor.engine.reasoning import choose_format
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.runners.native import build_matmuls_in_background, library_cache
 from predictor.engine.runners.null import NullRunner
@@ -139,6 +140,8 @@ def build_engine(
         on_step=metrics.observe_step,
         adapters=adapters,
         on_stop=None if publisher is None else publisher.stop,
+        reasoning=choose_format(loaded.tokenizer, settings.reasoning_parser),
+        reasoning_budget=None if settings.reasoning_budget < 0 else settings.reasoning_budget,
     )
 
 

@@ -43,6 +43,7 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")  # --prefix-caching-hash-algo,
 # (the default): the one the chat template asks for
 TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "phi4_mini_json", "qwen",
                      "qwen3_xml", "llama4_json", "phi4_mini")  # fmt: skip
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # --reasoning-parser (engine/reasoning.py)
 # the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
 # model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
@@ -139,6 +140,10 @@ class Settings:
     max_json_depth: int = 32  # nesting of a JSON body
     grammar_compile_timeout: float = 10.0  # seconds a grammar's compile may run (from its start)
     max_grammar_compiles: int = 16  # grammar compiles running or waiting at once (then 429)
+    # the thinking model's reasoning format (vLLM's names: qwen3, deepseek_r1, none); "":
+    # found from the chat template and the vocabulary's <think> and </think> tokens
+    reasoning_parser: str = ""
+    reasoning_budget: int = -1  # thinking tokens a chat request may spend (-1: no limit)
     max_stream_requests: int = 64  # requests in progress on one ModelStreamInfer stream
     stream_queue_size: int = 256  # responses buffered per ModelStreamInfer stream
     slow_reader_grace: float = 1.0  # seconds a token may wait for room in a full stream queue
@@ -244,6 +249,11 @@ class Settings:
         if self.grammar_compile_timeout <= 0 or self.max_grammar_compiles < 1:
             raise ValueError(
                 "--grammar-compile-timeout must be > 0 and --max-grammar-compiles >= 1"
+            )
+        if self.reasoning_parser not in ("", *REASONING_PARSERS) or self.reasoning_budget < -1:
+            raise ValueError(
+                f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} (or empty), "
+                "and --reasoning-budget -1 or more"
             )
         if self.request_timeout < 0 or self.drain_seconds < 0:
             raise ValueError("--request-timeout and --drain-seconds must not be negative")
@@ -355,6 +365,13 @@ _HELP = {
     "once (on a pool of their own: every usable CPU but one, at a low CPU priority; a compile "
     "that runs 0.1 s while another waits runs on at the lowest); more are refused with 429 and "
     "Retry-After",
+    "reasoning_parser": "how a thinking model's reasoning is split from its answer, as vLLM's "
+    "flag: qwen3 (<think>...</think>, the model opens it), deepseek_r1 (the same, open from the "
+    "start), none (never split); empty: qwen3 when the chat template writes </think> and the "
+    "vocabulary has <think> and </think> as tokens, else none",
+    "reasoning_budget": "thinking tokens a chat request may spend before its end tag is forced "
+    "(llama.cpp's --reasoning-budget; -1: no limit, 0: no thinking); a request's "
+    "thinking_token_budget or Anthropic's thinking.budget_tokens sets its own",
     "max_stream_requests": "requests in progress on one ModelStreamInfer stream; more get "
     "error_message RESOURCE_EXHAUSTED",
     "stream_queue_size": "responses buffered per ModelStreamInfer stream for a slow reader",
@@ -445,6 +462,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 "speculative": SPECULATIVE,
                 "prefix_caching_hash_algo": HASH_ALGOS,
                 "tool_call_parser": TOOL_CALL_PARSERS,
+                "reasoning_parser": ("", *REASONING_PARSERS),
                 "otlp_traces_protocol": OTLP_PROTOCOLS,
                 "log_payloads": PAYLOAD_MODES,
             }.get(f.name),

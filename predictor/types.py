@@ -112,6 +112,11 @@ class GenerateRequest:
     tenant: str | None = None
     # the LoRA adapter (--lora-modules) that runs it, by name; None: the base model
     lora: str | None = None
+    # extra variables for the chat template (vLLM's chat_template_kwargs: enable_thinking)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # a thinking model's thinking tokens at most (then its end tag is forced); None: the
+    # server's --reasoning-budget
+    thinking_budget: int | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,8 @@ class TokenEvent:
     # on a request's first event (when not final): its prompt's tokens and those cached so far,
     # for answers that say them before the end (Anthropic's message_start)
     first_usage: Usage | None = None
+    # a thinking model's chat request: this step's reasoning text (`text` is then the answer's)
+    reasoning: str = ""
 
     @property
     def final(self) -> bool:
@@ -216,6 +223,7 @@ class Completion:
     logprobs: tuple[TokenLogprob, ...] = ()
     prompt: PromptEcho | None = None  # when the request asked for it (echo, prompt_logprobs)
     stop_sequence: str | None = None  # the stop string that ended it (FinishReason.STOP)
+    reasoning: str = ""  # a thinking model's reasoning, split from `text` (its answer)
 
 
 def run_to_end(slices: Generator[None, None, T]) -> T:

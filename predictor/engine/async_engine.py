@@ -22,6 +22,7 @@ from typing import Any
 
 from predictor.engine.adapters import Adapters
 from predictor.engine.input_processor import InputProcessor, Limits, Tokenizer
+from predictor.engine.reasoning import ReasoningFormat
 from predictor.engine.request import Request
 from predictor.engine.step import StepStats
 from predictor.engine.step_loop import StepLoop
@@ -57,6 +58,8 @@ class AsyncEngine:
         on_step: Callable[[StepStats], None] | None = None,
         adapters: Adapters | None = None,
         on_stop: Callable[[], None] | None = None,
+        reasoning: ReasoningFormat | None = None,
+        reasoning_budget: int | None = None,
     ) -> None:
         self._loop = step_loop
         self._on_stop = on_stop  # after the step loop stops (the KV events' publisher closed)
@@ -64,8 +67,9 @@ class AsyncEngine:
         limits = Limits(max_tokens_limit, max_prompt_tokens, max_prompts, cache.num_blocks,
                         cache.block_size)  # fmt: skip
         self.inputs = InputProcessor(
-            tokenizer, limits, step_loop.eos_ids, grammar_timeout, max_grammar_compiles, adapters
-        )
+            tokenizer, limits, step_loop.eos_ids, grammar_timeout, max_grammar_compiles, adapters,
+            reasoning, reasoning_budget,
+        )  # fmt: skip
         self.stall_seconds = stall_seconds
         self._default_timeout = default_timeout
         self._on_step = on_step  # the step stats' next reader (metrics)

@@ -110,12 +110,14 @@ def failure(event: TokenEvent) -> PredictorError:
 async def complete(events: Stream) -> Completion:
     """Run one request's events to the end and collect its text (the unary endpoints' path)."""
     parts: list[str] = []
+    thoughts: list[str] = []
     logprobs: list[TokenLogprob] = []
     prompt: PromptEcho | None = None
     try:
         async for event in events:
             prompt = prompt or event.prompt
             parts.append(event.text)
+            thoughts.append(event.reasoning)
             logprobs.extend(event.logprobs)
             if event.final:
                 assert event.finish_reason is not None and event.usage is not None
@@ -130,6 +132,7 @@ async def complete(events: Stream) -> Completion:
                     tuple(logprobs),
                     prompt,
                     event.stop_sequence,
+                    "".join(thoughts),
                 )
     finally:
         await events.aclose()

@@ -18,6 +18,7 @@ from predictor.engine import tool_formats
 from predictor.engine.adapters import Adapters
 from predictor.engine.detokenizer import IncrementalDetokenizer, byte_table
 from predictor.engine.kv_cache import blocks_for
+from predictor.engine.reasoning import OpenOrGrammar, ReasoningFormat, Splitter, Thinking
 from predictor.engine.request import EventSink, Request
 from predictor.errors import InvalidRequest, ModelMissing
 from predictor.types import GenerateRequest
@@ -49,8 +50,12 @@ class InputProcessor:
         grammar_timeout: float = 10.0,
         max_grammar_compiles: int = 16,
         adapters: Adapters | None = None,
+        reasoning: ReasoningFormat | None = None,
+        reasoning_budget: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.reasoning = reasoning  # the model's thinking format (None: it does not think)
+        self.reasoning_budget = reasoning_budget  # thinking tokens at most (None: no limit)
         self.adapters = adapters  # LoRA adapters by name (None: none served)
         self.limits = limits
         self._eos_ids = frozenset(eos_ids)
@@ -101,7 +106,9 @@ class InputProcessor:
             # a template only adds text: an overlong conversation is refused before rendering
             # (jinja held the GIL for 8 ms at a time rendering a 4 MiB message)
             self._check_length(sum(map(len, _texts(conversation))))
-            text = self._render(conversation, request.tools, request.tool_format)
+            text = self._render(
+                conversation, request.tools, request.tool_format, request.chat_template_kwargs
+            )
             self._check_length(len(text))
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         else:
@@ -154,6 +161,13 @@ class InputProcessor:
         echo: str | None = None,
     ) -> Request:
         """The engine's state of one prepared request."""
+        matcher = None if compiled is None else self.grammars().matcher(compiled)
+        thinking = self._thinking(request, prompt_ids)
+        if thinking is not None and matcher is not None:
+            if thinking.state:  # the prompt opened a thinking: the grammar waits for its end
+                thinking.pending, matcher = matcher, None
+            elif thinking.state is None:  # the first token may open one
+                matcher = OpenOrGrammar(matcher, thinking.format.start_id)
         return Request(
             request_id=request.request_id,
             prompt_ids=prompt_ids,
@@ -166,10 +180,23 @@ class InputProcessor:
             cache_salt=request.cache_salt,
             adapter=0 if request.lora is None else self.adapter_slot(request.lora),
             lora_name=request.lora,
-            matcher=None if compiled is None else self.grammars().matcher(compiled),
+            matcher=matcher,
             prompt_text=echo,
             echo_only=request.params.max_tokens == 0,
+            thinking=thinking,
         )
+
+    def _thinking(self, request: GenerateRequest, prompt_ids: Sequence[int]) -> Thinking | None:
+        """A chat request to a thinking model: its thinking followed and its text split."""
+        form = self.reasoning
+        if form is None or request.prompt_ids is not None:
+            return None
+        if request.messages is None and not request.chat:
+            return None  # completions' own text: never split
+        state = form.thinking_at_start(prompt_ids)
+        budget = request.thinking_budget
+        budget = self.reasoning_budget if budget is None else budget
+        return Thinking(form, Splitter(form.start, form.end, state), state, budget)
 
     def adapter_slot(self, name: str) -> int:
         """The runner slot of the LoRA adapter of that name, made resident just before (on
@@ -185,9 +212,11 @@ class InputProcessor:
         conversation: list[dict[str, Any]],
         tools: Sequence[dict[str, Any]] | None,
         tool_format: str = "hermes",
+        variables: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template's text; tools and tool turns as the request's tool-call format
-        (`engine/tool_formats/`) renders them for this template."""
+        (`engine/tool_formats/`) renders them for this template; `variables`: the request's
+        chat_template_kwargs (enable_thinking)."""
         template = getattr(self.tokenizer, "chat_template", None)
         fmt = tool_formats.get(tool_format)
         turns, extra = fmt.render(
@@ -195,7 +224,11 @@ class InputProcessor:
         )
         return str(
             self.tokenizer.apply_chat_template(
-                turns, add_generation_prompt=True, tokenize=False, **extra
+                turns,
+                add_generation_prompt=True,
+                tokenize=False,
+                **extra,
+                **template_variables(variables),
             )
         )
 
@@ -225,6 +258,27 @@ class InputProcessor:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceed the "
                 f"KV cache ({limits.cache_blocks * limits.block_size} tokens)"
             )
+
+
+# apply_chat_template's own arguments and what the engine passes: not a template variable
+_RESERVED = frozenset(
+    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
+     "continue_final_message", "return_dict", "return_tensors", "chat_template", "tokenizer_kwargs",
+     "padding", "truncation", "max_length", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+def template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs as the template's variables; one that would set the
+    renderer's own arguments is refused (400) naming it."""
+    if not variables:
+        return {}
+    for name in variables:
+        if name in _RESERVED or not isinstance(name, str) or not name.isidentifier():
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {name!r}", param="chat_template_kwargs"
+            )
+    return dict(variables)
 
 
 def _vocabulary(tokenizer: Any) -> list[str]:

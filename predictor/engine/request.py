@@ -10,6 +10,7 @@ from typing import Any
 from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.kv_cache import BlockKey, extend_keys
 from predictor.engine.kv_events import BlockHash
+from predictor.engine.reasoning import Thinking
 from predictor.engine.speculation import RowSpeculation
 from predictor.types import (
     FinishReason,
@@ -66,11 +67,27 @@ class Request:
     speculation: RowSpeculation | None = None
     draft_tokens: int = 0  # drafted and verified
     accepted_tokens: int = 0  # of them, kept
+    # a thinking model's chat request: its thinking followed, its text split (engine/reasoning)
+    thinking: Thinking | None = None
 
     def __post_init__(self) -> None:
         if self.params.prompt_logprobs is not None and self.prompt_ids:
             first = self.prompt_ids[0]
             self.prompt_scores.append(PromptToken(first, self.detokenizer.token_text(first), None))
+
+    def follow_thinking(self, token: int) -> None:
+        """One kept token of a thinking model: its grammar waits while it thinks."""
+        assert self.thinking is not None
+        opened = self.thinking.state is None
+        ended = self.thinking.observe(token)
+        if opened and self.matcher is not None:  # the first token: the grammar's own from now
+            inner = getattr(self.matcher, "inner", self.matcher)
+            if self.thinking.state:  # it opened a thinking: the grammar waits for its end
+                self.thinking.pending, self.matcher = inner, None
+            else:
+                self.matcher = inner
+        elif ended and self.thinking.pending is not None:
+            self.matcher, self.thinking.pending = self.thinking.pending, None
 
     @property
     def scoring(self) -> bool:
@@ -129,10 +146,13 @@ class Request:
         self, text: str, token_ids: tuple[int, ...] = (), logprobs: tuple[TokenLogprob, ...] = ()
     ) -> None:
         first = not self.prompt_sent
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.splitter.feed(text)
         self.sink(
             TokenEvent(
                 self.request_id, text, token_ids, logprobs=logprobs, prompt=self._prompt(),
-                first_usage=self.usage if first else None,
+                first_usage=self.usage if first else None, reasoning=reasoning,
             )
         )  # fmt: skip
 
@@ -152,10 +172,15 @@ class Request:
             return
         self.finish_reason = reason
         prompt = self._prompt() if error is None else None
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self.thinking.splitter.feed(text)
+            held, rest = self.thinking.splitter.flush()
+            reasoning, text = reasoning + held, text + rest
         self.sink(
             TokenEvent(
                 self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt,
                 error_param, RequestTimes(self.arrival, self.scheduled, tuple(self.preempted_at)),
-                stop_sequence,
+                stop_sequence, reasoning=reasoning,
             )
         )  # fmt: skip

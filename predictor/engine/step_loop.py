@@ -347,6 +347,8 @@ class StepLoop:
             if token < 0:
                 request.finish(FinishReason.ERROR, error="the model produced non-finite logits")
                 continue
+            if request.thinking is not None:  # its thinking budget spent: the end tag
+                token = request.thinking.steer(token)
             logprobs: tuple[TokenLogprob, ...] = ()
             if logprob is not None:
                 logprobs = (self._token_logprob(request, token, *logprob),)
@@ -392,6 +394,8 @@ class StepLoop:
                 request.finish(FinishReason.ERROR, error="the grammar refused the sampled token")
                 return
             eos_armed = True
+        if request.thinking is not None:  # the grammar waits for the thinking to end
+            request.follow_thinking(token)
         if token in self._eos_ids and eos_armed:
             request.finish(
                 FinishReason.EOS, request.detokenizer.flush(), token_ids=ids, logprobs=logprobs

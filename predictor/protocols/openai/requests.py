@@ -91,6 +91,10 @@ class ChatBody(_Common):
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: variables for the chat template (enable_thinking: false turns Qwen3's off)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: a thinking model's thinking tokens at most, then its end tag is forced
+    thinking_token_budget: int | None = Field(None, ge=0)
 
 
 def _empty(value: Any) -> bool:
@@ -261,10 +265,9 @@ def _choices(
             params = replace(sampling, seed=seed) if seed != sampling.seed else sampling
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + j}"
             out.append(
-                GenerateRequest(
-                    rid, prompt.prompt, params, prompt.chat, messages=prompt.messages,
-                    cache_salt=salt, prompt_ids=prompt.prompt_ids, tools=prompt.tools,
-                    echo=echo, tenant=tenant, tool_format=prompt.tool_format,
+                replace(
+                    prompt, request_id=rid, params=params, cache_salt=salt, echo=echo,
+                    tenant=tenant,
                 )
             )  # fmt: skip
     return tuple(out)
@@ -380,7 +383,11 @@ def decode_chat(body: Any, default_max_tokens: int, tool_format: str = "hermes")
     stream, include_usage = _stream_flags(parsed)
     asked = _check_prompt_logprobs(sampling, stream, echo=False)
     base = f"chatcmpl-{uuid.uuid4().hex}"
-    prompt = chat_prompt(base, conversation(parsed.messages), tools, tool_format)
+    prompt = replace(
+        chat_prompt(base, conversation(parsed.messages), tools, tool_format),
+        chat_template_kwargs=parsed.chat_template_kwargs,
+        thinking_budget=parsed.thinking_token_budget,
+    )
     return OpenAIRequest(
         "chat", base, parsed.model, int(time.time()), n,
         _choices(base, [prompt], n, sampling, values.cache_salt, tenant=parsed.user), stream,

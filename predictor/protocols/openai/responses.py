@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from openai.types import Completion as CompletionBody
 from openai.types import CompletionChoice, CompletionUsage, Model
@@ -41,6 +41,7 @@ from predictor.types import (
 OWNER = "gptq-predictor"
 
 FinishName = Literal["stop", "length"]
+Part = TypeVar("Part", bound=BaseModel)
 
 
 def finish_name(reason: FinishReason) -> FinishName:
@@ -73,6 +74,15 @@ def _message(request: OpenAIRequest, text: str) -> tuple[ChatCompletionMessage, 
             for c in calls
         ]  # fmt: skip
     return message, bool(calls)
+
+
+def with_reasoning(part: Part, reasoning: str) -> Part:
+    """A thinking model's reasoning beside its answer, under vLLM's two names (`reasoning`,
+    and `reasoning_content` as before); a model that did not think gets neither."""
+    if reasoning:
+        part.reasoning_content = reasoning  # type: ignore[attr-defined]  # the SDK allows extras
+        part.reasoning = reasoning  # type: ignore[attr-defined]
+    return part
 
 
 def dump(body: BaseModel) -> str:
@@ -164,6 +174,7 @@ def chat_response(request: OpenAIRequest, results: Sequence[Completion]) -> str:
     choices = []
     for i, c in enumerate(results):
         message, called = _message(request, c.text)
+        with_reasoning(message, c.reasoning)
         logprobs = (
             chat.ChoiceLogprobs(content=chat_logprobs(request, c.logprobs), refusal=None)
             if request.logprobs
@@ -222,7 +233,7 @@ class ChunkEncoder:
         """The chunk for one event of choice `index`, or None when it carries nothing yet."""
         self._pending[index].extend(event.logprobs)
         prompt = event.prompt if self.request.echo else None  # echo: the prompt goes first
-        if not event.text and not event.final and prompt is None:
+        if not event.text and not event.final and prompt is None and not event.reasoning:
             return None
         tokens, self._pending[index] = self._pending[index], []
         finish = finish_name(event.finish_reason) if event.finish_reason is not None else None
@@ -230,6 +241,8 @@ class ChunkEncoder:
             self._usages[index] = event.usage
         if self.request.kind == "chat":
             delta = self._delta(index, event)
+            if event.reasoning:  # a thinking model's reasoning, beside any answer text
+                delta = with_reasoning(delta or chunk.ChoiceDelta(), event.reasoning)
             if delta is None:  # text held back by the call parser: its logprobs wait too
                 self._pending[index][:0] = tokens
                 return None

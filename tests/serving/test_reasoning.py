@@ -1,0 +1,173 @@
+"""Reasoning through the real server on a tiny random Qwen3 checkpoint with Qwen3's own chat
+template (tests/fixtures/qwen3_chat_template.jinja) and <think> / </think> tokens: chat
+completions' reasoning_content beside content, streamed and whole alike, enable_thinking, the
+thinking budget, a JSON schema answer after the thinking; a model that does not think is
+unchanged. A random model never thinks on its own: logit_bias on <think> makes it open a
+thinking (and fill it with <think> text), and the budget ends it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serving.test_openai import client
+from tests.support import ServerProcess, built_once
+
+TEMPLATE = Path(__file__).parents[1] / "fixtures" / "qwen3_chat_template.jinja"
+THINK, END = "<think>", "</think>"
+
+
+def save_thinking_tokenizer(out: Path, tokenizer_dir: Path) -> None:
+    """The default tokenizer with Qwen3's <think> and </think> (added, not special, as Qwen3's)
+    and Qwen3's chat template (ChatML, as SmolLM2's)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_tokens([THINK, END], special_tokens=False)
+    tokenizer.chat_template = TEMPLATE.read_text()
+    tokenizer.save_pretrained(out)
+
+
+def build_qwen3_thinking(out: Path, tokenizer_dir: Path) -> None:
+    from load.random_gptq import SHAPES, Layout, write_checkpoint
+
+    tokens = out.with_name(out.name + "-tokenizer")
+    save_thinking_tokenizer(tokens, tokenizer_dir)
+    shape = dataclasses.replace(SHAPES["tiny"], vocab_size=SHAPES["tiny"].vocab_size + 64)
+    write_checkpoint(out, shape, Layout(4, 32), tokens, seed=5, family="qwen3")
+
+
+@pytest.fixture(scope="session")
+def qwen3_thinking_dir(workdir: Path, tokenizer_dir: Path) -> Path:
+    return built_once(
+        workdir / "qwen3-thinking", lambda out: build_qwen3_thinking(out, tokenizer_dir)
+    )
+
+
+@pytest.fixture(scope="module")
+def thinker(qwen3_thinking_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess.start(qwen3_thinking_dir, "tiny") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def think_ids(qwen3_thinking_dir: Path) -> tuple[int, int]:
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(qwen3_thinking_dir).get_vocab()
+    return vocab[THINK], vocab[END]
+
+
+def chat(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Why?"}],
+            "temperature": 0} | body  # fmt: skip
+    answer = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def stream(server: ServerProcess, **body: Any) -> tuple[str, str, list[dict[str, Any]]]:
+    """The streamed reasoning and content, joined, and every delta."""
+    body = {"temperature": 0} | body
+    completion = client(server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Why?"}], stream=True, **body
+    )
+    deltas = [c.choices[0].delta.model_dump(exclude_unset=True) for c in completion if c.choices]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    assert reasoning == "".join(d.get("reasoning") or "" for d in deltas)
+    return reasoning, "".join(d.get("content") or "" for d in deltas), deltas
+
+
+def driven(think_ids: tuple[int, int], budget: int = 4, **body: Any) -> dict[str, Any]:
+    """A request that surely thinks: <think> favoured, the budget ending the thinking."""
+    return {"logit_bias": {str(think_ids[0]): 100}, "thinking_token_budget": budget,
+            "max_tokens": 10} | body  # fmt: skip
+
+
+def test_the_reasoning_is_split_from_the_answer(
+    thinker: ServerProcess, think_ids: tuple[int, int]
+) -> None:
+    message = chat(thinker, **driven(think_ids))["choices"][0]["message"]
+    # <think> opens it, 4 thinking tokens (the budget), </think> forced, 4 answer tokens
+    assert message["reasoning_content"] == THINK * 4 == message["reasoning"]
+    assert message["content"] == THINK * 4
+
+
+def test_the_stream_carries_the_same_reasoning_and_answer(
+    thinker: ServerProcess, think_ids: tuple[int, int]
+) -> None:
+    body = driven(think_ids, budget=6, max_tokens=12)
+    message = chat(thinker, **body)["choices"][0]["message"]
+    reasoning, content, deltas = stream(thinker, extra_body=body)
+    assert (reasoning, content) == (message["reasoning_content"], message["content"])
+    assert any("reasoning_content" in d for d in deltas)
+
+
+def test_free_thinking_text_splits_the_same_streamed(thinker: ServerProcess) -> None:
+    """Sampled text (no bias): whatever the model writes, the stream agrees with the whole."""
+    body = {"max_tokens": 24, "temperature": 1.0, "seed": 3}
+    message = chat(thinker, **body)["choices"][0]["message"]
+    reasoning, content, _ = stream(thinker, **body)
+    assert content == message["content"]
+    assert reasoning == (message.get("reasoning_content") or "")
+
+
+def test_enable_thinking_false_gives_no_reasoning(
+    thinker: ServerProcess, think_ids: tuple[int, int]
+) -> None:
+    body = driven(think_ids, chat_template_kwargs={"enable_thinking": False})
+    message = chat(thinker, **body)["choices"][0]["message"]
+    assert "reasoning_content" not in message and "reasoning" not in message
+    assert message["content"] == THINK * 10  # the template closed the thinking: all answer
+    reasoning, content, _ = stream(thinker, extra_body=body)
+    assert (reasoning, content) == ("", THINK * 10)
+
+
+def test_the_budget_ends_the_thinking(thinker: ServerProcess, think_ids: tuple[int, int]) -> None:
+    for budget in (0, 1, 5):
+        message = chat(thinker, **driven(think_ids, budget, max_tokens=12))["choices"][0]
+        assert message["message"].get("reasoning_content", "") == THINK * budget
+        assert message["message"]["content"] == THINK * (12 - budget - 2)
+
+
+def test_a_json_schema_answer_parses_after_the_thinking(
+    thinker: ServerProcess, think_ids: tuple[int, int]
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    body = driven(
+        think_ids, 3, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+    )  # fmt: skip
+    choice = chat(thinker, **body)["choices"][0]
+    assert choice["message"]["reasoning_content"] == THINK * 3  # free: the grammar waited
+    assert set(json.loads(choice["message"]["content"])) == {"n"}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_a_bad_template_variable_is_a_400(thinker: ServerProcess) -> None:
+    answer = httpx.post(
+        f"{thinker.base_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+              "chat_template_kwargs": {"add_generation_prompt": False}},
+        timeout=60,
+    )  # fmt: skip
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_a_model_that_does_not_think_is_unchanged(server: ServerProcess) -> None:
+    """The default tiny model's template has no thinking: no reasoning fields, whatever asked."""
+    body = {"max_tokens": 6, "chat_template_kwargs": {"enable_thinking": True},
+            "thinking_token_budget": 2}  # fmt: skip
+    message = chat(server, **body)["choices"][0]["message"]
+    assert "reasoning_content" not in message and "reasoning" not in message
+    _, content, deltas = stream(server, extra_body=body)
+    assert content == message["content"]
+    assert not any("reasoning_content" in d for d in deltas)
