@@ -127,6 +127,7 @@ class Usage:
     # speculative decoding: draft tokens verified for this request, and of them accepted
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+    reasoning_tokens: int = 0  # a thinking model's: generated inside its thinking (tags too)
 
 
 @dataclass(frozen=True)

@@ -168,6 +168,12 @@ class Thinking:
     pending: Any = None
     spent: int = 0  # thinking tokens so far
     forced: int = 0  # end tags forced by the budget
+    tags: int = 0  # start and end tags generated
+
+    @property
+    def tokens(self) -> int:
+        """Generated tokens that belong to the thinking, its tags included."""
+        return self.spent + self.tags
 
     def steer(self, token: int) -> int:
         """The token to keep: the end tag's once the budget is spent."""
@@ -181,10 +187,12 @@ class Thinking:
         """Follow one kept token; True when it ended the thinking (the grammar starts next)."""
         if self.state is None:
             self.state = token == self.format.start_id
+            self.tags += self.state
             return False
         if self.state is True:
             if token == self.format.end_id:
                 self.state = False
+                self.tags += 1
                 return True
             self.spent += 1
         return False

@@ -140,6 +140,7 @@ class Request:
             cached_tokens=self.cached_prompt_tokens,
             draft_tokens=self.draft_tokens,
             accepted_draft_tokens=self.accepted_tokens,
+            reasoning_tokens=0 if self.thinking is None else self.thinking.tokens,
         )
 
     def emit(

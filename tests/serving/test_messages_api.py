@@ -252,8 +252,8 @@ BASE_BODY: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "messages": ASK}
         ({**BASE_BODY, "frequency_penalty": 1}, 400, "invalid_request_error", "frequency_penalty"),
         ({**BASE_BODY, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
          400, "invalid_request_error", "web_search_20250305"),
-        ({**BASE_BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}},
-         400, "invalid_request_error", "thinking"),
+        ({**BASE_BODY, "thinking": {"type": "sometimes"}},
+         400, "invalid_request_error", "thinking.type"),
         ({**BASE_BODY, "temperature": 1.5}, 400, "invalid_request_error", "temperature"),
         ({**BASE_BODY, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},
@@ -288,7 +288,7 @@ def test_the_sdk_raises_its_own_errors(server: ServerProcess) -> None:
     }
     with pytest.raises(anthropic.BadRequestError) as refused:
         client(server).messages.count_tokens(
-            model="tiny", messages=ASK, thinking={"type": "enabled", "budget_tokens": 2048}
+            model="tiny", messages=ASK, thinking={"type": "enabled", "budget_tokens": -1}
         )
     assert isinstance(refused.value.body, dict)
     assert refused.value.body["error"]["type"] == "invalid_request_error"

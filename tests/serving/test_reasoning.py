@@ -35,19 +35,32 @@ def save_thinking_tokenizer(out: Path, tokenizer_dir: Path) -> None:
 
 
 def build_qwen3_thinking(out: Path, tokenizer_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
     from load.random_gptq import SHAPES, Layout, write_checkpoint
 
     tokens = out.with_name(out.name + "-tokenizer")
     save_thinking_tokenizer(tokens, tokenizer_dir)
     shape = dataclasses.replace(SHAPES["tiny"], vocab_size=SHAPES["tiny"].vocab_size + 64)
     write_checkpoint(out, shape, Layout(4, 32), tokens, seed=5, family="qwen3")
+    # the head's padding rows (no token of the tokenizer) at logit 0, as write_checkpoint puts
+    # eos's: far below the top, so the random model does not pick them (the engine samples
+    # them where a model favours them: a real model's never do)
+    tensors = load_file(out / "model.safetensors")
+    tensors["lm_head.weight"][len(AutoTokenizer.from_pretrained(tokens)) :] = 0.0
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def thinking_checkpoint(workdir: Path, tokenizer_dir: Path) -> Path:
+    return built_once(
+        workdir / "qwen3-thinking-v2", lambda out: build_qwen3_thinking(out, tokenizer_dir)
+    )
 
 
 @pytest.fixture(scope="session")
 def qwen3_thinking_dir(workdir: Path, tokenizer_dir: Path) -> Path:
-    return built_once(
-        workdir / "qwen3-thinking", lambda out: build_qwen3_thinking(out, tokenizer_dir)
-    )
+    return thinking_checkpoint(workdir, tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +162,22 @@ def test_a_json_schema_answer_parses_after_the_thinking(
     assert choice["message"]["reasoning_content"] == THINK * 3  # free: the grammar waited
     assert set(json.loads(choice["message"]["content"])) == {"n"}
     assert choice["finish_reason"] == "stop"
+
+
+def test_a_forced_tool_call_is_read_from_the_answer_after_the_thinking(
+    thinker: ServerProcess, think_ids: tuple[int, int]
+) -> None:
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 9}},
+        "required": ["n"], "additionalProperties": False}}}  # fmt: skip
+    body = driven(think_ids, 3, max_tokens=80, tools=[tool], tool_choice="required",
+                  parallel_tool_calls=False)  # fmt: skip
+    choice = chat(thinker, **body)["choices"][0]
+    assert choice["message"]["reasoning_content"] == THINK * 3
+    calls = choice["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["pick"]
+    assert set(json.loads(calls[0]["function"]["arguments"])) == {"n"}
+    assert choice["finish_reason"] == "tool_calls"
 
 
 def test_a_bad_template_variable_is_a_400(thinker: ServerProcess) -> None:

@@ -249,7 +249,7 @@ def error_of(server: ServerProcess, prefix: str, body: dict[str, Any]) -> dict[s
         ({"frobnicate": 1}, "frobnicate"),
         ({"max_tokens": 5}, "max_tokens"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
+        ({"reasoning": {"effort": "lots"}}, "reasoning.effort"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]},

@@ -7,7 +7,9 @@ tool -> a named function, none); then chat's own `conversation`, `tool_setup` (t
 grammar) and `chat_prompt` build the request, so both APIs render, constrain and parse alike.
 The sampling fields are read by the parameter table (protocol `anthropic`); structured outputs
 (`output_config.format`) are chat's json_schema grammar. What this server cannot honour is a
-400 naming it: a server tool, `thinking` enabled, an unknown field or block.
+400 naming it: a server tool, an unknown field or block. `thinking` maps onto a thinking
+model's reasoning (engine/reasoning.py): enabled with its budget_tokens as the thinking budget,
+disabled as its chat template's enable_thinking false, adaptive (or absent) as the model thinks.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from predictor.protocols.openai.validation import param_of, telling_error
 from predictor.types import GenerateRequest, Grammar
 
 PROTOCOL = "anthropic"
-# `thinking` types served: the models here do not split reasoning from the answer yet, so
-# only "disabled" is (a reasoning parser adds "enabled" and "adaptive")
-THINKING_SERVED = frozenset({"disabled"})
+# `thinking` types served, each with the keys it may carry beside `type`
+THINKING_SERVED = {
+    "enabled": {"budget_tokens", "display"},
+    "disabled": set(),
+    "adaptive": {"display"},
+}
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ def decode_messages(
         {k: v for k, v in given.items() if k in table}, PROTOCOL, default_max_tokens
     )
     parsed = _validated({k: v for k, v in given.items() if k not in table})
-    thinking_check(parsed.thinking)
+    budget, variables = thinking_check(parsed.thinking)
     sampling = replace(values.sampling, grammar=output_grammar(parsed.output_config))
     choice, parallel = _tool_choice(parsed.tool_choice)
     tools, sampling = chat.tool_setup(_tools(parsed.tools), choice, parallel, sampling, tool_format)
@@ -70,6 +75,7 @@ def decode_messages(
     request = GenerateRequest(
         base, prompt.prompt, sampling, chat=True, messages=prompt.messages, tools=tools,
         cache_salt=values.cache_salt, tenant=tenant, tool_format=tool_format,
+        chat_template_kwargs=variables, thinking_budget=budget,
     )  # fmt: skip
     return MessagesRequest(base, parsed.model, request, bool(parsed.stream), tools is not None)
 
@@ -110,22 +116,37 @@ def refuse_server_tools(tools: Any) -> None:
             )
 
 
-def thinking_check(thinking: Mapping[str, Any] | None) -> None:
-    """`thinking` {type: disabled} is accepted; any other a 400 naming it (THINKING_SERVED)."""
+def thinking_check(
+    thinking: Mapping[str, Any] | None,
+) -> tuple[int | None, dict[str, Any] | None]:
+    """`thinking` as a thinking budget and the chat template's variables: enabled with
+    budget_tokens (a budget), disabled (enable_thinking false), adaptive (the model's way); any
+    other type or key a 400 naming it. A model that does not think ignores it."""
     if thinking is None:
-        return
+        return None, None
     kind = thinking.get("type")
-    if kind not in THINKING_SERVED:
+    if not isinstance(kind, str) or kind not in THINKING_SERVED:
         raise InvalidRequest(
-            f"'thinking' of type {kind!r} is not supported by this server: its models do not "
-            'split reasoning from the answer yet (send {"type": "disabled"} or leave it out)',
-            param="thinking",
+            f"'thinking.type' {kind!r} is not supported (one of {', '.join(THINKING_SERVED)})",
+            param="thinking.type",
         )
-    if set(thinking) != {"type"}:
-        extra = sorted(set(thinking) - {"type"})[0]
+    extra = sorted(set(thinking) - {"type"} - THINKING_SERVED[kind])
+    if extra:
         raise InvalidRequest(
-            f"'thinking.{extra}' is not supported with thinking disabled", param=f"thinking.{extra}"
+            f"'thinking.{extra[0]}' is not supported with thinking {kind}",
+            param=f"thinking.{extra[0]}",
         )
+    if kind == "disabled":
+        return None, {"enable_thinking": False}
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (
+        not isinstance(budget, int) or isinstance(budget, bool) or budget < 0
+    ):
+        raise InvalidRequest(
+            "'thinking.budget_tokens' must be a whole number of tokens, 0 or more",
+            param="thinking.budget_tokens",
+        )
+    return budget, None
 
 
 def output_grammar(config: bodies.OutputConfig | None) -> Grammar | None:

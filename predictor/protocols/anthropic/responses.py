@@ -74,6 +74,18 @@ class ContentBuilder:
         self._open = False
         self.called = False
 
+    def think(self, text: str) -> list[Event]:
+        """A thinking model's reasoning: a thinking block (before the answer's), its
+        thinking_delta events. No signature is made: the block's is empty."""
+        if not text:
+            return []
+        out: list[Event] = []
+        if not self._open or self.blocks[-1]["type"] != "thinking":
+            out += self._start({"type": "thinking", "thinking": "", "signature": ""})
+        self.blocks[-1]["thinking"] += text
+        out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+        return out
+
     def feed(self, text: str, final: bool) -> list[Event]:
         if self._parser is None:
             pieces = [tool_formats.Delta("content", text)] if text else []
@@ -134,6 +146,7 @@ def _message(
 def message_body(request: MessagesRequest, completion: Completion) -> dict[str, Any]:
     """The whole answer."""
     builder = ContentBuilder(request.request.tool_format if request.tools else None)
+    builder.think(completion.reasoning)
     builder.feed(completion.text, final=True)
     body = _message(request, builder.blocks, completion.usage)
     body["stop_reason"] = reason = stop_reason(completion.finish_reason, builder.called)
@@ -156,7 +169,7 @@ class StreamEncoder:
         return [("message_start", {"type": "message_start", "message": message})]
 
     def event(self, event: TokenEvent) -> list[Event]:
-        out = self._builder.feed(event.text, event.final)
+        out = self._builder.think(event.reasoning) + self._builder.feed(event.text, event.final)
         if not self._pinged and (out or event.final):
             self._pinged = True
             at = 1 if out and out[0][0] == "content_block_start" else 0

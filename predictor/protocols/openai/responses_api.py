@@ -9,8 +9,12 @@ GenerateRequest a chat request becomes; nothing of chat's logic is repeated here
 
 Stateless: nothing is kept, so `store` is accepted (true or false) and ignored, and
 `previous_response_id`, `conversation` and `background` are 400s naming them. What this server
-cannot honour (a tool other than a function, non-text content, `reasoning` on a model that does
-not think, ...) is a 400 naming the field. The response shapes are in `responses_output.py`.
+cannot honour (a tool other than a function, non-text content, ...) is a 400 naming the
+field. `reasoning` is accepted: effort "none" turns a thinking model's thinking off (its
+template's enable_thinking false), the other efforts leave it as the model does; no summary is
+written (the reasoning items carry the reasoning as content). Earlier reasoning items in
+`input` are accepted and left out of the prompt, as the templates leave earlier thinking out.
+The response shapes are in `responses_output.py`.
 """
 
 from __future__ import annotations
@@ -54,13 +58,15 @@ TABLE_KEYS = frozenset({
 RENAMES = {"max_output_tokens": "max_tokens"}
 MAX_ITEMS = 1024
 
-# `include` entries that ask for nothing this server writes (no reasoning items, so no encrypted
-# reasoning: Codex and the Agents SDK send it with store false); any other entry is refused.
+# `include` entries that ask for nothing this server writes (reasoning items carry their text,
+# never encrypted: Codex and the Agents SDK send it with store false); any other is refused.
 INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 
-# Reasoning efforts served. The models served here do not split their reasoning yet, so
-# `reasoning` with any effort or summary is refused; a reasoning parser adds its efforts here.
-REASONING_EFFORTS: frozenset[str] = frozenset()
+# Reasoning efforts served (OpenAI's): "none" turns a thinking model's thinking off, the others
+# leave it as the model thinks (engine/reasoning.py); a model that does not think ignores them
+REASONING_EFFORTS = frozenset({"none", "minimal", "low", "medium", "high", "xhigh"})
+# Summaries asked for: accepted, none written (the reasoning item's content is the reasoning)
+REASONING_SUMMARIES = frozenset({"auto", "concise", "detailed"})
 
 
 # -- body models --------------------------------------------------------------------------------
@@ -139,6 +145,17 @@ class FunctionCallOutputItem(Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ReasoningItem(Strict):
+    """An earlier answer's reasoning, sent back: accepted and left out of the prompt."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[dict[str, Any]] | None = None
+    content: list[dict[str, Any]] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 class FunctionTool(Strict):
     type: Literal["function"]
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
@@ -152,17 +169,18 @@ class FunctionChoice(Strict):
     name: str
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 _ITEMS: dict[str, type[Strict]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "reasoning": ReasoningItem,
 }
 _FIELD_NAMES = frozenset(
     name
     for model in (
         ResponsesBody, TextConfig, Reasoning, StreamOptions, InputText, MessageItem,
-        FunctionCallItem, FunctionCallOutputItem, FunctionTool, FunctionChoice,
+        FunctionCallItem, FunctionCallOutputItem, FunctionTool, FunctionChoice, ReasoningItem,
     )
     for name in model.model_fields
 )  # fmt: skip
@@ -208,23 +226,27 @@ def _refuse_state(body: Any) -> None:
             )
 
 
-def check_reasoning(reasoning: Reasoning | None) -> None:
-    """`reasoning` is served for the efforts in REASONING_EFFORTS (none yet); absent or null
-    fields ask for nothing."""
+def check_reasoning(reasoning: Reasoning | None) -> dict[str, Any] | None:
+    """`reasoning`'s effort (REASONING_EFFORTS) and summary (REASONING_SUMMARIES; none is
+    written) checked; the chat template's variables it asks for (effort "none": thinking off),
+    or None. Absent or null fields ask for nothing."""
     if reasoning is None:
-        return
+        return None
     if reasoning.effort is not None and reasoning.effort not in REASONING_EFFORTS:
         raise InvalidRequest(
-            f"'reasoning.effort' {reasoning.effort!r} is not supported: this model's reasoning "
-            "is not split from its answer",
+            f"'reasoning.effort' {reasoning.effort!r} is not supported (one of "
+            f"{', '.join(sorted(REASONING_EFFORTS))})",
             param="reasoning.effort",
         )
     for key in ("summary", "generate_summary"):
-        if getattr(reasoning, key) is not None:
+        value = getattr(reasoning, key)
+        if value is not None and value not in REASONING_SUMMARIES:
             raise InvalidRequest(
-                f"'reasoning.{key}' is not supported: this model's reasoning is not split",
+                f"'reasoning.{key}' {value!r} is not supported (one of "
+                f"{', '.join(sorted(REASONING_SUMMARIES))})",
                 param=f"reasoning.{key}",
             )
+    return {"enable_thinking": False} if reasoning.effort == "none" else None
 
 
 def _strict_item(model: type[Strict], value: Any, where: str) -> Any:
@@ -252,7 +274,9 @@ def _item(i: int, value: Any) -> Item:
             f"'{where}.type' {kind!r} is not supported (one of {', '.join(_ITEMS)})",
             param=f"{where}.type",
         )
-    content = value.get("content") if kind == "message" else value.get("output")
+    content = {"message": value.get("content"), "function_call_output": value.get("output")}.get(
+        kind
+    )
     if isinstance(content, list):  # name the part this server cannot read (an image, a file)
         field = "content" if kind == "message" else "output"
         for j, part in enumerate(content):
@@ -284,6 +308,8 @@ def _messages(instructions: str | None, given: str | list[dict[str, Any]]) -> li
             out.append(Message(role=item.role, content=_text(item.content)))
         elif isinstance(item, FunctionCallOutputItem):
             out.append(Message(role="tool", content=_text(item.output), tool_call_id=item.call_id))
+        elif isinstance(item, ReasoningItem):
+            continue  # earlier thinking: not in the prompt
         else:
             try:
                 json.loads(item.arguments)
@@ -343,7 +369,7 @@ def decode_responses(
     )
     if values.sampling.max_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1", param="max_output_tokens")
-    check_reasoning(parsed.reasoning)
+    variables = check_reasoning(parsed.reasoning)
     for i, entry in enumerate(parsed.include or ()):
         if entry not in INCLUDABLE:
             raise InvalidRequest(f"'include' {entry!r} is not supported", param=f"include[{i}]")
@@ -371,7 +397,10 @@ def decode_responses(
     base = f"resp_{uuid.uuid4().hex}"
     turns = conversation(_messages(parsed.instructions, parsed.input))
     prompt = chat_prompt(base, turns, tools, tool_format)
-    request = replace(prompt, params=sampling, cache_salt=values.cache_salt, tenant=parsed.user)
+    request = replace(
+        prompt, params=sampling, cache_salt=values.cache_salt, tenant=parsed.user,
+        chat_template_kwargs=variables,
+    )  # fmt: skip
     return ResponsesRequest(
         base, parsed.model, int(time.time()), request, bool(parsed.stream),
         tuple(t.model_dump(exclude_none=True) for t in functions),

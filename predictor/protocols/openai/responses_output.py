@@ -31,6 +31,8 @@ from openai.types.responses import (
     ResponseInProgressEvent,
     ResponseOutputItemAddedEvent,
     ResponseOutputItemDoneEvent,
+    ResponseReasoningTextDeltaEvent,
+    ResponseReasoningTextDoneEvent,
     ResponseTextDeltaEvent,
     ResponseTextDoneEvent,
 )
@@ -56,9 +58,9 @@ def _dump(body: BaseModel) -> str:
 class _Item:
     """One output item as it grows: a message's text or a call's arguments."""
 
-    kind: Literal["message", "function_call"]
+    kind: Literal["message", "function_call", "reasoning"]
     id: str
-    text: str = ""  # a message's text, a call's arguments
+    text: str = ""  # a message's text, a call's arguments, a thinking model's reasoning
     name: str = ""
     call_id: str = ""
     status: Status = "in_progress"
@@ -69,6 +71,10 @@ class _Item:
                 "type": "function_call", "id": self.id, "call_id": self.call_id,
                 "name": self.name, "arguments": self.text, "status": self.status,
             }  # fmt: skip
+        if self.kind == "reasoning":  # the text as reasoning_text content; no summary
+            thought = [] if self.status == "in_progress" else [_thought(self.text)]
+            return {"type": "reasoning", "id": self.id, "summary": [], "content": thought,
+                    "status": self.status}  # fmt: skip
         content = [] if self.status == "in_progress" else [_part(self.text)]
         return {
             "type": "message", "id": self.id, "role": "assistant", "status": self.status,
@@ -78,6 +84,10 @@ class _Item:
 
 def _part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _thought(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
 
 
 @dataclass
@@ -114,6 +124,28 @@ class ResponseEncoder:
             self._event(ResponseInProgressEvent, "response.in_progress", response=snapshot),
         ]
 
+    def reasoning(self, text: str) -> list[Event]:
+        """The events for the next piece of a thinking model's reasoning: a reasoning item
+        (before the answer's items), its `response.reasoning_text.delta` events."""
+        if not text:
+            return []
+        events: list[Event] = []
+        item = self._open
+        if item is None or item.kind != "reasoning":
+            events += self._close()
+            item = self._add(_Item("reasoning", _id("rs")))
+            events.append(self._added_event(item))
+            events.append(self._event(
+                ResponseContentPartAddedEvent, "response.content_part.added", item_id=item.id,
+                output_index=len(self.items) - 1, content_index=0, part=_thought(""),
+            ))  # fmt: skip
+        item.text += text
+        events.append(self._event(
+            ResponseReasoningTextDeltaEvent, "response.reasoning_text.delta", item_id=item.id,
+            output_index=len(self.items) - 1, content_index=0, delta=text,
+        ))  # fmt: skip
+        return events
+
     def text(self, text: str, final: bool) -> list[Event]:
         """The events for the next piece of the answer's text (`final`: it is the last)."""
         if self._parser is None:
@@ -137,8 +169,9 @@ class ResponseEncoder:
         kind = "response.completed"
         return [*events, self._event(ResponseCompletedEvent, kind, response=completed)]
 
-    def whole(self, text: str, reason: FinishReason, usage: Usage) -> str:
-        """A unary answer: the response object for the whole text."""
+    def whole(self, text: str, reason: FinishReason, usage: Usage, reasoning: str = "") -> str:
+        """A unary answer: the response object for the whole text (and reasoning)."""
+        self.reasoning(reasoning)
         self.text(text, final=True)
         self._finish(reason)
         return _dump(self.response(self._status(reason), usage))
@@ -198,7 +231,18 @@ class ResponseEncoder:
         index = self.items.index(item)
         item.status = status
         events: list[Event] = []
-        if item.kind == "message":
+        if item.kind == "reasoning":
+            events += [
+                self._event(
+                    ResponseReasoningTextDoneEvent, "response.reasoning_text.done",
+                    item_id=item.id, output_index=index, content_index=0, text=item.text,
+                ),
+                self._event(
+                    ResponseContentPartDoneEvent, "response.content_part.done", item_id=item.id,
+                    output_index=index, content_index=0, part=_thought(item.text),
+                ),
+            ]  # fmt: skip
+        elif item.kind == "message":
             events += [
                 self._event(
                     ResponseTextDoneEvent, "response.output_text.done", item_id=item.id,
@@ -223,7 +267,8 @@ class ResponseEncoder:
     def _finish(self, reason: FinishReason) -> list[Event]:
         """The end of the answer: an empty message where nothing was written, the last item
         closed (incomplete where the answer was cut short)."""
-        events = [] if self.items else self._content("")
+        answered = any(i.kind != "reasoning" for i in self.items)
+        events = [] if answered else self._content("")
         cut = self._status(reason) == "incomplete"
         return events + self._close("incomplete" if cut else "completed")
 
@@ -264,6 +309,6 @@ def _usage(usage: Usage) -> dict[str, Any]:
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": usage.generated_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.prompt_tokens + usage.generated_tokens,
     }

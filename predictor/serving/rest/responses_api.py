@@ -63,7 +63,8 @@ async def start_stream(model: ServedModel, request: ResponsesRequest) -> Respons
                 if token.error is not None:
                     yield sse_event(error_event(failure(token), encoder.sequence))
                     return
-                events = encoder.text(token.text, token.final)
+                events = encoder.reasoning(token.reasoning)
+                events += encoder.text(token.text, token.final)
                 if token.final:
                     assert token.finish_reason is not None
                     events += encoder.closing(token.finish_reason, token.usage)
@@ -87,7 +88,9 @@ async def _events(first: TokenEvent, stream: Stream) -> AsyncIterator[TokenEvent
 
 async def answer(model: ServedModel, request: ResponsesRequest) -> Response:
     (result,) = await model.complete_all([request.request], PROTOCOL)
-    body = ResponseEncoder(request).whole(result.text, result.finish_reason, result.usage)
+    body = ResponseEncoder(request).whole(
+        result.text, result.finish_reason, result.usage, result.reasoning
+    )
     return Response(body, media_type="application/json")
 
 

@@ -131,16 +131,23 @@ def test_count_tokens_needs_no_max_tokens() -> None:
         decode_messages(body, 64)
 
 
-def test_thinking_disabled_is_the_one_served() -> None:
-    assert frozenset({"disabled"}) == THINKING_SERVED
-    decode_messages({**BODY, "thinking": {"type": "disabled"}}, 64)
+def test_thinking_maps_onto_the_models_reasoning() -> None:
+    assert set(THINKING_SERVED) == {"enabled", "disabled", "adaptive"}
+    off = decode_messages({**BODY, "thinking": {"type": "disabled"}}, 64).request
+    assert off.chat_template_kwargs == {"enable_thinking": False} and off.thinking_budget is None
+    on = decode_messages({**BODY, "thinking": {"type": "enabled", "budget_tokens": 1024}}, 64)
+    assert on.request.thinking_budget == 1024 and on.request.chat_template_kwargs is None
+    free = decode_messages({**BODY, "thinking": {"type": "adaptive"}}, 64).request
+    assert free.thinking_budget is None and free.chat_template_kwargs is None
 
 
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
-        ({"thinking": {"type": "adaptive"}}, "thinking"),
+        ({"thinking": {"type": "sometimes"}}, "thinking.type"),
+        ({"thinking": {"type": "enabled", "budget_tokens": -1}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
+        ({"thinking": {"type": "disabled", "budget_tokens": 5}}, "thinking.budget_tokens"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0].type"),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
         ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),

@@ -119,8 +119,9 @@ def test_text_format_is_the_grammar() -> None:
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": "many"}, "max_output_tokens"),
         ({"temperature": 3}, "temperature"),
-        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),
-        ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ({"reasoning": {"effort": "lots"}}, "reasoning.effort"),
+        ({"reasoning": {"summary": "verbose"}}, "reasoning.summary"),
+        ({"input": [{"type": "reasoning", "summary": [], "extra": 1}]}, "input[0].extra"),
         ({"tools": [{"type": "file_search"}]}, "tools[0].type"),
         ({"tools": [TOOL | {"extra": 1}]}, "tools[0].extra"),
         ({"tools": [TOOL], "tool_choice": {"type": "web_search_preview"}}, "tool_choice.type"),
@@ -149,7 +150,26 @@ def test_refusals_name_the_field(body: dict[str, Any], param: str) -> None:
 def test_an_absent_or_null_reasoning_asks_for_nothing() -> None:
     decode(reasoning={"effort": None, "summary": None})
     decode(reasoning=None, store=False, truncation="disabled", service_tier="auto")
-    decode(include=["reasoning.encrypted_content"])  # no reasoning items: nothing to include
+    decode(include=["reasoning.encrypted_content"])  # reasoning items are never encrypted
+
+
+def test_reasoning_effort_none_turns_thinking_off_and_the_others_leave_it() -> None:
+    off = decode(reasoning={"effort": "none", "summary": "auto"}).request
+    assert off.chat_template_kwargs == {"enable_thinking": False}
+    for effort in ("minimal", "low", "medium", "high"):
+        assert decode(reasoning={"effort": effort}).request.chat_template_kwargs is None
+
+
+def test_earlier_reasoning_items_are_left_out_of_the_prompt() -> None:
+    given = [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "hmm"}]},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]  # fmt: skip
+    messages = decode(input=given).request.messages
+    assert messages is not None and "hmm" not in str(messages) and len(messages) == 3
 
 
 def test_the_openapi_body_has_the_routes_keys() -> None:
