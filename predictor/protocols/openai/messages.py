@@ -46,6 +46,10 @@ class Message(Strict):
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     tool_calls: Annotated[list[AssistantToolCall], Field(min_length=1)] | None = None
     tool_call_id: str | None = None
+    # an earlier answer's reasoning sent back (vLLM's two names): given to the chat template
+    # as reasoning_content, which Qwen3's writes for the turns after the last user message
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class FunctionDefinition(Strict):
@@ -94,6 +98,14 @@ def _turn(i: int, message: Message) -> dict[str, Any]:
                 f"'{where}.tool_call_id' is required", param=f"{where}.tool_call_id"
             )
         turn["tool_call_id"] = message.tool_call_id
+    thought = (
+        message.reasoning_content if message.reasoning_content is not None else (message.reasoning)
+    )
+    if thought is not None:
+        if message.role != "assistant":
+            param = f"{where}.reasoning_content"
+            raise InvalidRequest(f"'{param}' is only for assistant messages", param=param)
+        turn["reasoning_content"] = thought
     for j, call in enumerate(message.tool_calls or ()):
         try:
             arguments = json.loads(call.function.arguments)

@@ -221,3 +221,28 @@ def test_fields_missing_side_by_side_are_named_not_looped() -> None:
         decode_chat({}, 16)
     assert "model: field required" in str(caught.value)
     assert "messages: field required" in str(caught.value)
+
+
+def test_reasoning_fields_reach_the_engine_request() -> None:
+    """chat_template_kwargs and thinking_token_budget (vLLM's), and an earlier answer's
+    reasoning under either of vLLM's names, given to the template as reasoning_content."""
+    turns = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello", "reasoning": "greet back"},
+        {"role": "user", "content": "Bye"},
+    ]
+    body = {"model": "m", "messages": turns, "thinking_token_budget": 7,
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    (choice,) = decode_chat(body, 16).choices
+    assert choice.thinking_budget == 7
+    assert choice.chat_template_kwargs == {"enable_thinking": False}
+    assert choice.messages is not None and choice.messages[1]["reasoning_content"] == "greet back"
+    for bad, param in (
+        ({"thinking_token_budget": -1}, "thinking_token_budget"),
+        ({"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]},
+         "messages[0].reasoning_content"),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ):  # fmt: skip
+        with pytest.raises(InvalidField) as caught:
+            decode_chat(body | bad, 16)
+        assert caught.value.param == param
