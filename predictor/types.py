@@ -117,6 +117,10 @@ class GenerateRequest:
     # a thinking model's thinking tokens at most (then its end tag is forced); None: the
     # server's --reasoning-budget
     thinking_budget: int | None = None
+    # a thinking model's reasoning split from the answer (engine/reasoning.py: chat
+    # completions, Responses, Messages); False: the text as generated, tags and all (OIP, V2,
+    # Triton and completions, as before), its grammar from the first token
+    split_reasoning: bool = False
 
 
 @dataclass(frozen=True)

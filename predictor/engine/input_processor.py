@@ -189,10 +189,8 @@ class InputProcessor:
     def _thinking(self, request: GenerateRequest, prompt_ids: Sequence[int]) -> Thinking | None:
         """A chat request to a thinking model: its thinking followed and its text split."""
         form = self.reasoning
-        if form is None or request.prompt_ids is not None:
+        if form is None or not request.split_reasoning or request.prompt_ids is not None:
             return None
-        if request.messages is None and not request.chat:
-            return None  # completions' own text: never split
         state = form.thinking_at_start(prompt_ids)
         budget = request.thinking_budget
         budget = self.reasoning_budget if budget is None else budget

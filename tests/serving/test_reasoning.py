@@ -200,3 +200,18 @@ def test_a_model_that_does_not_think_is_unchanged(server: ServerProcess) -> None
     _, content, deltas = stream(server, extra_body=body)
     assert content == message["content"]
     assert not any("reasoning_content" in d for d in deltas)
+
+
+def test_oip_generate_keeps_the_text_as_generated(
+    thinker: ServerProcess, think_ids: tuple[int, int]
+) -> None:
+    """OIP, V2 and Triton answer the text as before, tags and all: no reasoning field there."""
+    answer = httpx.post(
+        f"{thinker.base_url}/v2/models/tiny/generate",
+        json={"text_input": "Why?", "parameters": {
+            "chat": True, "max_tokens": 5, "temperature": 0,
+            "logit_bias": {str(think_ids[0]): 100}}},
+        timeout=60,
+    )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["text_output"] == THINK * 5

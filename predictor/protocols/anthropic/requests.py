@@ -72,9 +72,8 @@ def decode_messages(
     base = f"msg_{uuid.uuid4().hex[:24]}"
     prompt = chat.chat_prompt(base, turns, tools, tool_format)
     tenant = parsed.metadata.user_id if parsed.metadata is not None else None
-    request = GenerateRequest(
-        base, prompt.prompt, sampling, chat=True, messages=prompt.messages, tools=tools,
-        cache_salt=values.cache_salt, tenant=tenant, tool_format=tool_format,
+    request = replace(
+        prompt, params=sampling, cache_salt=values.cache_salt, tenant=tenant,
         chat_template_kwargs=variables, thinking_budget=budget,
     )  # fmt: skip
     return MessagesRequest(base, parsed.model, request, bool(parsed.stream), tools is not None)

@@ -131,14 +131,17 @@ def chat_prompt(
 ) -> GenerateRequest:
     """A conversation (and its tools) as the prompt of an engine request (chat completions and
     Anthropic's Messages alike; each choice copies it with its own sampling)."""
-    if len(turns) == 1 and turns[0]["role"] == "user":
-        # the engine's own single-message chat path renders the same template
-        return GenerateRequest(
-            request_id, turns[0]["content"], chat=True, messages=turns, tools=tools,
-            tool_format=tool_format,
-        )  # fmt: skip
+    # the engine's own single-message chat path renders the same template; a thinking
+    # model's reasoning is split from the answer on these APIs
+    text = turns[0]["content"] if len(turns) == 1 and turns[0]["role"] == "user" else ""
     return GenerateRequest(
-        request_id, "", chat=True, messages=turns, tools=tools, tool_format=tool_format
+        request_id,
+        text,
+        chat=True,
+        messages=turns,
+        tools=tools,
+        split_reasoning=True,
+        tool_format=tool_format,
     )
 
 
