@@ -95,6 +95,9 @@ class ChatBody(_Common):
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's: a thinking model's thinking tokens at most, then its end tag is forced
     thinking_token_budget: int | None = Field(None, ge=0)
+    # OpenAI's: "none" turns a thinking model's thinking off (enable_thinking false); the
+    # others leave it as the model thinks
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
 def _empty(value: Any) -> bool:
@@ -383,9 +386,12 @@ def decode_chat(body: Any, default_max_tokens: int, tool_format: str = "hermes")
     stream, include_usage = _stream_flags(parsed)
     asked = _check_prompt_logprobs(sampling, stream, echo=False)
     base = f"chatcmpl-{uuid.uuid4().hex}"
+    variables = parsed.chat_template_kwargs
+    if parsed.reasoning_effort == "none":  # the request's own enable_thinking wins
+        variables = {"enable_thinking": False} | (variables or {})
     prompt = replace(
         chat_prompt(base, conversation(parsed.messages), tools, tool_format),
-        chat_template_kwargs=parsed.chat_template_kwargs,
+        chat_template_kwargs=variables,
         thinking_budget=parsed.thinking_token_budget,
     )
     return OpenAIRequest(

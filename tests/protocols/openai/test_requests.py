@@ -241,8 +241,19 @@ def test_reasoning_fields_reach_the_engine_request() -> None:
         ({"thinking_token_budget": -1}, "thinking_token_budget"),
         ({"messages": [{"role": "user", "content": "x", "reasoning_content": "r"}]},
          "messages[0].reasoning_content"),
-        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"reasoning_effort": "lots"}, "reasoning_effort"),
     ):  # fmt: skip
         with pytest.raises(InvalidField) as caught:
             decode_chat(body | bad, 16)
         assert caught.value.param == param
+
+
+def test_reasoning_effort_none_turns_thinking_off() -> None:
+    (off,) = decode_chat(CHAT | {"reasoning_effort": "none"}, 16).choices
+    assert off.chat_template_kwargs == {"enable_thinking": False}
+    (mine,) = decode_chat(
+        CHAT | {"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}}, 16
+    ).choices
+    assert mine.chat_template_kwargs == {"enable_thinking": True}
+    (low,) = decode_chat(CHAT | {"reasoning_effort": "low"}, 16).choices
+    assert low.chat_template_kwargs is None
