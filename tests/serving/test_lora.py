@@ -61,10 +61,11 @@ def test_on_the_native_kernels_the_lora_modes_are_timed_at_start(
     tiny_bf16_dir: Path, tmp_path: Path
 ) -> None:
     """A bf16 model (the native layer ops): the autotune timed lora_add's modes (bf16 factors,
-    int8 where the CPU has VNNI) at each row count at start and logged its plan, and the
-    adapter's requests run with it."""
+    int8 where the CPU has VNNI) at each row count at start (a cache of its own: the run's
+    holds the plan once made) and logged its plan, and the adapter's requests run with it."""
     adapter = write_adapter(tmp_path / "a", tiny_bf16_dir, 16, 3, std=0.2)
-    extra = ["--attention", "native", "--lora-modules", f"a={adapter}"]  # native layer ops
+    extra = ["--attention", "native", "--lora-modules", f"a={adapter}",
+             "--autotune-cache", str(tmp_path / "tune")]  # fmt: skip
     with ServerProcess.start(tiny_bf16_dir, "tiny", extra=extra) as proc:
         assert complete(proc, "a") != complete(proc, "tiny")
         log = proc.log()

@@ -111,8 +111,9 @@ def tune(
     if cached is not None:
         choices = cached
     else:
-        choices = _measure(groups, heads, head_name, forced, invariant)
-        write_cache(cache_dir, key, identity, choices)
+        choices = write_cache(
+            cache_dir, key, identity, _measure(groups, heads, head_name, forced, invariant)
+        )
     defer = defer_copies and not invariant
     deferred: list[Deferred] = []
     for name, group in groups.items():

@@ -2,7 +2,9 @@
 measured on this machine at start as autotune.py measures the matmuls' kernels: bf16 factors
 with fp32 sums, or int8 factors and activations where the CPU has AVX-512 VNNI (lora.py, MODES).
 Timed only where adapters will be served (--lora-modules, --allow-runtime-lora): a fraction of a
-second, not cached.
+second, cached beside the matmuls' choices (autotune_cache.py): the modes' numerics differ, and
+two servers on one machine (replicas, an adapter given at start and one loaded later) must give
+the same tokens for the same request.
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ from __future__ import annotations
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from predictor.engine.runners import native
 from predictor.engine.runners.autotune import ALL_LAYERS_UP_TO, BUCKETS, FEW_LAYERS, REPEATS
+from predictor.engine.runners.autotune_cache import (
+    cpu_identity,
+    read_lora_plan,
+    source_digest,
+    write_lora_plan,
+)
 from predictor.engine.runners.lora import GROUPS, Factors, LoraWeights
 
 logger = logging.getLogger(__name__)
@@ -23,14 +33,48 @@ logger = logging.getLogger(__name__)
 LORA_RANK = 16  # the adapters' rank lora_add's modes are timed with (a typical fine-tune's)
 
 
-def tune(weights: LoraWeights, invariant: bool = False) -> list[tuple[int, str]]:
+VERSION = 1  # of the cache file's contents and the choosing rule
+
+
+def tune(
+    weights: LoraWeights, invariant: bool = False, threads: int = 1, cache_dir: Path | None = None
+) -> list[tuple[int, str]]:
     """lora_add's mode per row-count bucket (lora.py's MODES), timed here on an adapter of rank
     LORA_RANK on every projection of every layer (random factors; the time depends on shapes
     only): bf16 factors with fp32 sums, or int8 factors and activations where the kernel has
     them (AVX-512 VNNI). `invariant` (--batch-invariant): one mode at every row count (a row's
     bits may not depend on how many rows share its step), the fastest over the buckets.
-    Installs the plan on `weights` and returns it. A pass takes a fraction of a second."""
+    Installs the plan on `weights` and returns it. A pass takes a fraction of a second; the plan
+    is read back from `cache_dir` where one was made for this identity."""
     modes = ["bf16", "int8"] if weights.kernel.lora_int8 else ["bf16"]  # timed even alone: the log
+    identity = {
+        "version": VERSION,
+        **cpu_identity(),
+        "threads": threads,
+        "invariant": invariant,
+        "layers": weights.layers,
+        "shapes": {module: list(shape) for module, shape in sorted(weights.shapes.items())},
+        "modes": modes,
+        "source": source_digest((native.LAYER_SOURCE,)),  # lora_add
+    }
+    cached = read_lora_plan(cache_dir, identity)
+    if cached is not None:
+        weights.plan = cached
+        logger.info("kernel lora (cache): %s", _described(cached))
+        return cached
+    measured = _measure(weights, modes, invariant)
+    plan = write_lora_plan(cache_dir, identity, measured)
+    if plan != measured:  # another server measured at once and wrote first
+        weights.plan = plan
+        logger.info("kernel lora (cache, written at once by another server): %s", _described(plan))
+    return plan
+
+
+def _described(plan: list[tuple[int, str]]) -> str:
+    return ", ".join(f"{rows}+ rows {mode}" for rows, mode in plan)
+
+
+def _measure(weights: LoraWeights, modes: list[str], invariant: bool) -> list[tuple[int, str]]:
     generator = torch.Generator().manual_seed(0)
     factors: Factors = {
         (layer, module): (torch.randn(LORA_RANK, features_in, generator=generator) * 0.02,
@@ -65,7 +109,7 @@ def tune(weights: LoraWeights, invariant: bool = False) -> list[tuple[int, str]]
         ranked = ", ".join(f"{mode} {seconds * 1e3:.3f}" for mode, seconds in timed.items())
         logger.info("autotune lora rank %d at %d rows (ms a pass): %s", LORA_RANK, rows, ranked)
     weights.plan = plan
-    logger.info("kernel lora: %s", ", ".join(f"{rows}+ rows {mode}" for rows, mode in plan))
+    logger.info("kernel lora: %s", _described(plan))
     return plan
 
 

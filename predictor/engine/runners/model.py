@@ -253,7 +253,7 @@ class ModelRunner:
         )  # fmt: skip
         autotune.log_choices(self.choices, threads)
         if self._tune_lora and self.lora.kernel is not None:
-            lora_tune.tune(self.lora, self.batch_invariant)
+            lora_tune.tune(self.lora, self.batch_invariant, threads, self._autotune_cache)
         kinds = [kind for _, kind in fused]
         self._step_cost = step_cost(self.choices, linears, kinds, self._lm_head)
         later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""

@@ -70,3 +70,20 @@ def test_a_file_naming_a_kernel_not_allowed_or_missing_a_matmul_is_not_used(
     data["plans"]["o 64x64/64 x2"] = [[1, "int4_op"]]
     path.write_text(json.dumps(data))
     assert read_cache(tmp_path, key, mine) is None
+
+
+def test_the_first_servers_choices_are_kept_and_a_broken_file_replaced(tmp_path: Path) -> None:
+    """Two servers that measured at once: the second to write gets the first's choices back,
+    so both serve the same kernels; a file that does not read back is replaced by ours."""
+    mine = identity()
+    key = cache_key(mine)
+    assert write_cache(tmp_path, key, mine, choices()).plans == choices().plans
+    theirs = Choices({**choices().plans, "lm_head 100x64": [(1, "loaded")]})
+    kept = write_cache(tmp_path, key, mine, theirs)
+    assert kept.plans == choices().plans and kept.source.startswith("cache ")
+    cache_file(tmp_path, key).write_text("{not json")
+    assert write_cache(tmp_path, key, mine, theirs).plans == theirs.plans
+    read = read_cache(tmp_path, key, mine)
+    assert read is not None and read.plans == theirs.plans
+    assert sorted(p.name for p in tmp_path.iterdir()) == [cache_file(tmp_path, key).name]
+    assert write_cache(None, key, mine, theirs) is theirs

@@ -74,3 +74,34 @@ def test_every_lora_mode_gives_a_row_the_same_bits_in_any_company(tiny_bf16_dir:
     for mode in modes:
         for _ in range(20):  # 20 draws of inputs: a fused rounding differs on some values only
             assert lora_tune._row_invariant(runner.lora, mode, generator), mode
+
+
+def test_the_plan_is_read_back_so_two_servers_run_the_same_modes(
+    tiny_bf16_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The modes' numerics differ: a plan is written to the autotune cache and a second tune of
+    the same identity (another server on this machine) takes it as written, untimed; one made for
+    other threads, or naming a mode not available here, is timed again."""
+    import json
+
+    from predictor.engine.runners.model import ModelRunner
+    from predictor.model.loader import load_checkpoint
+
+    loaded = load_checkpoint(tiny_bf16_dir, device="cpu", threads=1)
+    runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, autotune_cache=tmp_path)
+    if runner.lora.kernel is None:
+        pytest.skip("no native layer ops here")
+    first = lora_tune.tune(runner.lora, False, 1, tmp_path)
+    (written,) = tmp_path.glob("lora-*.json")
+    data = json.loads(written.read_text())
+    assert [tuple(part) for part in data["plan"]] == first
+    other = [(1, "bf16"), (8, "bf16")] if first != [(1, "bf16"), (8, "bf16")] else [(1, "bf16")]
+    written.write_text(json.dumps({**data, "plan": other}))  # a plan this tune would not time
+    with caplog.at_level(logging.INFO, logger="predictor.engine.runners.lora_tune"):
+        assert lora_tune.tune(runner.lora, False, 1, tmp_path) == other == runner.lora.plan
+        assert not [r for r in caplog.records if "autotune lora" in r.getMessage()]
+        caplog.clear()
+        lora_tune.tune(runner.lora, False, 2, tmp_path)  # another identity: timed
+        assert [r for r in caplog.records if "autotune lora" in r.getMessage()]
+    written.write_text(json.dumps({**data, "plan": [[1, "fp64"]]}))
+    assert lora_tune.tune(runner.lora, False, 1, tmp_path) != [(1, "fp64")]
