@@ -118,7 +118,9 @@ def build_engine(
         max_loras=settings.max_loras,
         events=events,
     )
-    step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared)
+    step_loop = StepLoop(
+        runner, scheduler, loaded.eos_ids, on_prepared=on_prepared, vocab=len(loaded.tokenizer)
+    )
     adapters = _adapters(settings, runner, step_loop.run_chore)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's

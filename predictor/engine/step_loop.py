@@ -58,10 +58,14 @@ class StepLoop:
         eos_ids: Collection[int],
         clock: Callable[[], float] = time.monotonic,
         on_prepared: Callable[[], None] | None = None,
+        vocab: int | None = None,
     ) -> None:
+        """`vocab`: the tokenizer's token count. A head may have more rows (Qwen3: 151,936 for
+        151,669 tokens): those past it spell no text and are never sampled."""
         self.runner = runner
         self.scheduler = scheduler
         self._eos_ids = frozenset(eos_ids)
+        self._vocab = vocab
         self._clock = clock
         self._on_prepared = on_prepared  # called once, on this thread, when ready
         self._listener: StepListener | None = None  # given by `start`
@@ -251,6 +255,8 @@ class StepLoop:
             for request in schedule.requests:  # their cache contents are unknown now
                 request.finish(FinishReason.ERROR, error="forward pass failed")
             return 0, Verified()  # the rows not fed are intact
+        if self._vocab is not None and logits.shape[-1] > self._vocab:
+            logits[:, self._vocab :] = float("-inf")  # the head's padding rows
         sampled = []
         at: list[int] = []  # the rows of `logits` sampled from
         verifying: list[tuple[Request, int, list[int]]] = []  # (row, its first logits, drafts)

@@ -137,9 +137,10 @@ def new_loop(
     max_batch_size: int = 8,
     max_step_tokens: int = 256,
     speculation: Any = None,
+    vocab: int | None = None,
 ) -> StepLoop:
     """A step loop over the runner, with a block allocator the size of the runner's cache."""
     allocator = BlockAllocator(runner.num_blocks, runner.block_size)
     scheduler = Scheduler(max_batch_size, 64, allocator, max_step_tokens=max_step_tokens,
                           speculation=speculation)  # fmt: skip
-    return StepLoop(runner, scheduler, eos_ids)
+    return StepLoop(runner, scheduler, eos_ids, vocab=vocab)

@@ -356,3 +356,37 @@ def test_chores_run_a_slice_between_two_steps_on_the_loop_thread(tiny_dense: Tin
         assert loop.alive()  # a failed chore leaves the loop serving
     finally:
         loop.stop()
+
+
+class PaddedHead:
+    """A runner whose head has 64 rows past the tokenizer's (as Qwen3's), scoring above all."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.device, self.num_blocks, self.block_size = (
+            inner.device,
+            inner.num_blocks,
+            inner.block_size,
+        )
+
+    def bind_thread(self) -> None:
+        self.inner.bind_thread()
+
+    def forward(self, rows: Any) -> torch.Tensor:
+        logits = self.inner.forward(rows)
+        return torch.cat([logits, torch.full((logits.shape[0], 64), 1e4)], dim=1)
+
+
+def test_the_heads_padding_rows_are_never_sampled(tiny_dense: Tiny) -> None:
+    """Rows past the tokenizer's tokens spell no text (the detokenizer had none to give, and the
+    step failed): greedy and sampled rows pick among the tokenizer's tokens only."""
+    vocab = len(tiny_dense.tokenizer)
+    (p,) = prompts(tiny_dense, 1, seed=3)
+    loop = new_loop(PaddedHead(tiny_dense.runner()), NO_EOS, vocab=vocab)
+    greedy, greedy_sink = make_sequence(tiny_dense.tokenizer, p, SamplingParams(max_tokens=8))
+    hot = SamplingParams(max_tokens=8, temperature=1.0, seed=7)
+    sampled, sampled_sink = make_sequence(tiny_dense.tokenizer, p, hot, "hot")
+    drive(loop, {0: [greedy, sampled]}, [greedy_sink, sampled_sink])
+    assert greedy_sink.token_ids == reference_greedy(tiny_dense, p, 8)
+    assert sampled_sink.finish_reason is FinishReason.LENGTH
+    assert all(t < vocab for t in sampled_sink.token_ids) and len(sampled_sink.token_ids) == 8
