@@ -45,6 +45,7 @@ from predictor.observability.tenants import TenantLabels
 from predictor.observability.tracing import start_tracing
 from predictor.protocols.limits import Limits
 from predictor.serving.kserve_argv import hide_argv_from_kserve
+from predictor.serving.ports import taken
 
 log = logging.getLogger("predictor")
 
@@ -243,6 +244,14 @@ def build_observer(settings: Settings, metrics: Metrics) -> Observer:
     return Observer(metrics, TenantLabels(settings.max_tenant_labels), tracing, payloads)
 
 
+def _binds(settings: Settings) -> list[tuple[str, int, str]]:
+    """What the server will listen on: REST on --host, gRPC on every address (KServe's)."""
+    binds = [(settings.host, settings.http_port, "the REST port")]
+    if settings.enable_grpc:
+        binds.append(("::", settings.grpc_port, "the gRPC port"))
+    return binds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     startup = StartupClock()
     startup.mark("imports")
@@ -262,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # that the full collection gptqmodel runs after loading the checkpoint, and ours before
     # serving, walk only what the load made (0.33 + 0.36 s -> 0.17 s of a start, Zen 5).
     gc.freeze()
+    held = taken(_binds(settings))
+    if held:
+        print(f"predictor: already in use by another process: {', '.join(held)}", file=sys.stderr)
+        return 2
     try:
         # KServe's storage initializer may leave the checkpoint one folder down
         model_dir = resolve_checkpoint_dir(settings.model_dir)
