@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,14 @@ WORST_MODULES = 10  # the modules with the largest GPTQ loss a report keeps
 
 
 def install(staged: Path, out: Path) -> None:
-    """`staged` moved to `out`, replacing what was there."""
+    """`staged` moved to `out`, replacing what was there, readable as the umask allows: the
+    writers (gptqmodel's safetensors, temporary folders) left some files 0600, which a server
+    running as another user (an image's, a volume's) could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in (staged, *staged.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
     if out.exists():
         shutil.rmtree(out)
     staged.rename(out)

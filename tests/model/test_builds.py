@@ -11,6 +11,7 @@ import pytest
 from predictor.model.builds import (
     QUALITY_FILE,
     accept_rejected,
+    install,
     keep_rejected,
     recorded_kernel,
     rejected_path,
@@ -62,3 +63,24 @@ def test_the_kernel_a_build_recorded(tmp_path: Path) -> None:
     assert recorded_kernel(tmp_path) == "native_f32"
     (tmp_path / QUALITY_FILE).write_text("not json")
     assert recorded_kernel(tmp_path) is None
+
+
+def test_an_installed_build_is_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """gptqmodel wrote model.safetensors 0600 and a temporary folder is 0700: a server running
+    as another user could not read the build."""
+    import os
+    import stat
+
+    staged = tmp_path / "staged"
+    (staged / "sub").mkdir(parents=True)
+    (staged / "model.safetensors").write_bytes(b"x")
+    (staged / "model.safetensors").chmod(0o600)
+    staged.chmod(0o700)
+    old = os.umask(0o022)
+    try:
+        install(staged, tmp_path / "out")
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE((out / "sub").stat().st_mode) == 0o755
