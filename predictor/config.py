@@ -301,8 +301,8 @@ _HELP = {
     "the weight memory), or one kernel for every fused projection: int4_op (torch's), "
     "prepacked_bf16 (oneDNN), native_f32 / native_i8 (engine/runners/int4_matmul.c, fp32 or int8 "
     "activations, the widest instruction set; _avx2, _avx512, ... names one)",
-    "autotune_cache": "folder of the kernel autotune's cached choices (empty: measure at "
-    "every start)",
+    "autotune_cache": "folder of the kernel autotune's cached choices, the compiled kernels "
+    "and the weights' kernel layouts (empty: measure and build at every start)",
     "attention": "how decode rows attend: on a CPU native (a C kernel compiled at start with "
     "$CC or cc/gcc/g++/clang, reading the paged cache in place; bf16 models) or torch (gather + "
     "batched matmuls); on a GPU triton (a paged kernel) or torch; auto: native where it "

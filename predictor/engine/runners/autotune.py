@@ -35,6 +35,7 @@ from predictor.engine.runners.autotune_cache import (
 from predictor.engine.runners.head_linear import head_candidates
 from predictor.engine.runners.int4_linear import Int4Linear, Kernel
 from predictor.engine.runners.invariance import ROWWISE, row_invariant, rowwise
+from predictor.engine.runners.layout_store import LayoutStore
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def tune(
     forced: str = "auto",
     invariant: bool = False,
     defer_copies: bool = False,
+    layouts: LayoutStore | None = None,
 ) -> tuple[Choices, Kernel, list[Deferred]]:
     """Choose and install a plan on every layer of `linears` (named by kind: qkv, o, ...), and
     the lm_head kernel; returns the choices, the head's per-bucket dispatcher and what was
@@ -87,9 +89,10 @@ def tune(
     `defer_copies`: the layers get their plans without the buckets of kernels that hold a copy
     of the weights (`lean`), to be completed by `complete` (the runner: after the server is
     ready, on a thread of its own). At 1.7B shapes the bf16 copies are 3.4 GB, most of a
-    restart's 20 s; a step meanwhile runs its rows on the kernel of the bucket below."""
+    restart's 20 s; a step meanwhile runs its rows on the kernel of the bucket below.
+    `layouts`: where the head's int8 copy is kept on disk (the layers carry their own)."""
     groups = _groups(linears, names)
-    heads = head_candidates(head)
+    heads = head_candidates(head, layouts)
     if invariant:
         heads |= {ROWWISE + name: _rowwise_factory(make) for name, make in heads.items()}
     weight = getattr(head, "weight", None)

@@ -11,14 +11,19 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import internals, native
+from predictor.engine.runners.autotune_cache import source_digest
 from predictor.engine.runners.int4_linear import PREPACKED, Kernel, prepack_available, reorder
+from predictor.engine.runners.layout_store import LayoutStore, fingerprint
 
 
-def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
+def head_candidates(
+    module: Any, layouts: LayoutStore | None = None
+) -> dict[str, Callable[[], Kernel]]:
     """Ways to run a bias-free CPU `nn.Linear` (lm_head), each built on demand: the module
     itself, and for bf16 weights an fp32 copy (bf16 matmuls are emulated on CPUs without
     AVX-512 BF16) and a oneDNN-prepacked bf16 copy (each costs the weight's bytes again). Other
-    modules (fp32 weights, whose numbers the exactness tests hold, GPU) keep the module only."""
+    modules (fp32 weights, whose numbers the exactness tests hold, GPU) keep the module only.
+    The int8 copy is kept in `layouts` where given (layout_store.py)."""
     found: dict[str, Callable[[], Kernel]] = {"module": lambda: module}
     weight = getattr(module, "weight", None)
     if (
@@ -45,7 +50,7 @@ def head_candidates(module: Any) -> dict[str, Callable[[], Kernel]]:
         found[PREPACKED] = prepacked
     if weight.shape[1] % 32 == 0:
         for isa in native.usable_isas()[:1]:  # the widest, as for the int4 layers
-            table = _Int8Table(weight, isa)
+            table = _Int8Table(weight, isa, layouts)
             for act in ("i8", "f32"):
                 found[f"{INT8_HEAD}_{act}_{isa}"] = functools.partial(table.kernel, act == "i8")
     return found
@@ -59,11 +64,12 @@ class _Int8Table:
     bf16 scale: llama.cpp's Q8_0), built at the first kernel asked for; shared by both kinds of
     activations."""
 
-    def __init__(self, weight: torch.Tensor, isa: str) -> None:
+    def __init__(self, weight: torch.Tensor, isa: str, layouts: LayoutStore | None) -> None:
         self._weight = weight
         self.isa = isa
         self.packed: torch.Tensor | None = None
         self.n, self.k = int(weight.shape[0]), int(weight.shape[1])
+        self.layouts: LayoutStore | None = layouts
 
     def build(self) -> native.Int8Kernel:
         try:
@@ -72,9 +78,17 @@ class _Int8Table:
             raise ValueError(str(error)) from error
         if self.packed is None:
             source = self._weight.detach().contiguous()
-            packed = torch.empty(compiled.nbytes(self.n, self.k), dtype=torch.uint8)
-            compiled.quantize(source.data_ptr(), self.n, self.k, packed.data_ptr())
-            self.packed = packed
+            size = compiled.nbytes(self.n, self.k)
+            key = None
+            if self.layouts is not None:
+                key = fingerprint([source], "int8 head", self.isa, source_digest())
+                self.packed = self.layouts.read(key, size)
+            if self.packed is None:
+                packed = torch.empty(size, dtype=torch.uint8)
+                compiled.quantize(source.data_ptr(), self.n, self.k, packed.data_ptr())
+                self.packed = packed
+                if key is not None and self.layouts is not None:
+                    self.layouts.write(key, packed)
         return compiled
 
     def kernel(self, int8: bool) -> Kernel:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from predictor.engine.runners import internals, native
+from predictor.engine.runners.autotune_cache import source_digest
 from predictor.engine.runners.int4_codes import (
     codes_buffer,
     dequantize_codes,
@@ -39,6 +40,7 @@ from predictor.engine.runners.int4_codes import (
     scratch,
 )
 from predictor.engine.runners.invariance import ROWWISE, rowwise
+from predictor.engine.runners.layout_store import LayoutStore, fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class Int4Linear(torch.nn.Module):
         self._codes_read: torch.Tensor | None = None  # while kernels are built (`_codes`)
         self._by_rows: list[Kernel] = [self._int4_op]  # [rows] -> kernel; the last for more
         self.plan: list[tuple[int, str]] = [(1, INT4_OP)]
+        self.layouts: LayoutStore | None = None  # the runner's, where layouts are kept on disk
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -223,15 +226,33 @@ class Int4Linear(torch.nn.Module):
             raise ValueError("oneDNN's prepacked bf16 linear is not available on this CPU")
         return lambda x: internals.onednn_linear(x, weight)
 
+    def _layout(self, compiled: native.Int4Kernel, isa: str) -> torch.Tensor:
+        """int4_matmul.c's layout of the weights: read back from `layouts` where a start made
+        it for these weights, else repacked from the codes (and kept there)."""
+        size = native.Int4Kernel.packed_bytes(self.out_features, self.in_features, self.group_size)
+        key = None
+        if self.layouts is not None and self._readable():
+            tensors = [t for p in self._parts for t in (p.qweight, p.scales_and_zeros, p.order)]
+            if not self._parts:
+                tensors = [self.qweight, self.scales_and_zeros]
+            key = fingerprint(tensors, "int4", isa, self.shape, self.splits, source_digest())
+            stored = self.layouts.read(key, size)
+            if stored is not None:
+                return stored
+        weight = repack_codes(
+            compiled, self._codes(), self.scales_and_zeros, self.group_size, self.in_features
+        )
+        if key is not None and self.layouts is not None:
+            self.layouts.write(key, weight)
+        return weight
+
     def _native(self, name: str) -> Kernel:
         _, act, isa = name.split("_", 2)
         if name not in self.candidates(every_isa=True):
             raise ValueError(f"{name} cannot run here ({self.shape}, CPU {native.usable_isas()})")
         compiled = native.int4_matmul(isa)
         if self._native_weight is None:
-            self._native_weight = repack_codes(
-                compiled, self._codes(), self.scales_and_zeros, self.group_size, self.in_features
-            )
+            self._native_weight = self._layout(compiled, isa)
         weight, n, k, group = (
             self._native_weight,
             self.out_features,

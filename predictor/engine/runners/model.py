@@ -29,6 +29,7 @@ from predictor.engine.runners.family import family
 from predictor.engine.runners.int4_codes import release_repack_tables
 from predictor.engine.runners.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.layer_kernels import LayerKernels, layer_kernels
+from predictor.engine.runners.layout_store import LayoutStore
 from predictor.engine.runners.lora import Factors, LoraWeights, projection_shapes
 from predictor.engine.runners.lora import Step as LoraStep
 from predictor.engine.runners.native import (
@@ -247,10 +248,17 @@ class ModelRunner:
                 else:  # logged here: the build may have run before logging was set up
                     logger.info("native %s matmul ready (%s)", name, library.describe())
         started = time.perf_counter()
+        layouts = None if self._autotune_cache is None else LayoutStore(self._autotune_cache)
+        for linear in linears:
+            linear.layouts = layouts
         self.choices, self._head, deferred = autotune.tune(
-            linears, [kind for _, kind in fused], self._lm_head, threads,
-            self._autotune_cache, self.kernel, self.batch_invariant, self._copies_after_ready,
+            linears, [kind for _, kind in fused], self._lm_head, threads, self._autotune_cache,
+            self.kernel, self.batch_invariant, self._copies_after_ready, layouts,
         )  # fmt: skip
+        if layouts is not None:
+            read, written = layouts.read_bytes / 1e9, layouts.written_bytes / 1e9
+            logger.info("kernel layouts: %.2f GB mapped from %s, %.2f GB written", read,
+                        layouts.folder, written)  # fmt: skip
         autotune.log_choices(self.choices, threads)
         if self._tune_lora and self.lora.kernel is not None:
             lora_tune.tune(self.lora, self.batch_invariant, threads, self._autotune_cache)
