@@ -41,7 +41,7 @@ SPECULATIVE = ("off", "ngram", "suffix")  # --speculative (engine/speculation.py
 HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")  # --prefix-caching-hash-algo, vLLM's names
 # --tool-call-parser: engine/tool_formats/'s names (vLLM's), then the aliases it takes; ""
 # (the default): the one the chat template asks for
-TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "phi4_mini_json", "qwen",
+TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen",
                      "qwen3_xml", "llama4_json", "phi4_mini")  # fmt: skip
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # --reasoning-parser (engine/reasoning.py)
 # the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
@@ -335,8 +335,8 @@ _HELP = {
     "nothing is copied); 'off' never drafts",
     "num_speculative_tokens": "draft tokens a row verifies at most per step",
     "tool_call_parser": "the tool-call format tools are rendered, forced and parsed in (vLLM's "
-    "names: hermes, llama3_json, mistral, phi4_mini_json); empty: the one the chat template "
-    "asks for (docs/openai.md, 'Tool formats')",
+    "names: hermes, llama3_json, mistral, phi4_mini_json, pythonic); empty: the chat template's "
+    "(docs/openai.md, 'Tool formats')",
     "lora_modules": "LoRA adapters served beside the model: NAME=PATH entries (PEFT folders: "
     "adapter_config.json and adapter_model.safetensors); a request runs one by naming it as "
     "its model (OpenAI `model`, the V2 / OIP / Triton path); vLLM's flag",

@@ -338,7 +338,7 @@ def test_tool_call_parser_takes_the_served_formats_by_vllms_names() -> None:
         assert Settings.from_sources(["--tool-call-parser", name], {}).tool_call_parser == name
     assert set(tool_formats.NAMES) <= set(config.TOOL_CALL_PARSERS)
     with pytest.raises(SystemExit):
-        Settings.from_sources(["--tool-call-parser", "pythonic"], {})
+        Settings.from_sources(["--tool-call-parser", "granite"], {})
     # a vLLM deployment's tool flags start this server as they are
     argv = ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
     assert Settings.from_sources(argv, {}).tool_call_parser == "llama3_json"

@@ -28,7 +28,7 @@ FAMILIES = {
     "mistral-v0.3": ("mistral", "mistral-7b-instruct-v0.3.jinja", "mistral"),
     "phi-4-mini": ("phi3", "phi-4-mini-instruct.jinja", "phi4_mini_json"),
     "qwen3": ("qwen3", "qwen3.jinja", "hermes"),  # renders `tools` itself
-    "gemma3": ("gemma3_text", "gemma-3.jinja", "hermes"),  # shows no tool format
+    "gemma3": ("gemma3_text", "gemma-3.jinja", "pythonic"),  # Python calls, as Gemma's guide
 }
 NAMED = {"type": "function", "function": {"name": "convert"}}
 

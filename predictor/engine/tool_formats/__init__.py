@@ -7,6 +7,7 @@ tool turns reach the chat template, the grammar that forces calls, the parser th
 | `llama3_json`    | Llama 3.1 / 3.2 / 3.3                    | `{"name", "parameters"}`       |
 | `mistral`        | Mistral v0.3, Nemo, Ministral, Small     | `[TOOL_CALLS][{...}, ...]`     |
 | `phi4_mini_json` | Phi-4-mini                               | `<|tool_call|>{...}<|/tool_call|>` |
+| `pythonic`       | Gemma 2, Gemma 3                         | `[f(x=1), g(y="a")]`, tool_code |
 
 `choose` picks one from the checkpoint's chat template, deterministically (the first rule that
 matches, in `RULES`' order), or by name (`--tool-call-parser`; vLLM's names).
@@ -19,11 +20,14 @@ from predictor.engine.tool_formats.hermes import Hermes
 from predictor.engine.tool_formats.llama3 import LLAMA3_JSON
 from predictor.engine.tool_formats.mistral import MISTRAL
 from predictor.engine.tool_formats.phi4_mini import PHI4_MINI_JSON
+from predictor.engine.tool_formats.pythonic import PYTHONIC
 
 __all__ = ["Choice", "Delta", "Parser", "ToolCall", "ToolFormat", "choose", "get", "NAMES"]
 
 HERMES = Hermes()
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON)}
+FORMATS: dict[str, ToolFormat] = {
+    f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON, PYTHONIC)
+}
 ALIASES = {"qwen": "hermes", "qwen3_xml": "hermes", "llama4_json": "llama3_json",
            "phi4_mini": "phi4_mini_json"}  # fmt: skip
 NAMES = tuple(FORMATS)
@@ -34,6 +38,8 @@ RULES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("[TOOL_CALLS]",), "mistral"),
     (("<|python_tag|>", '"parameters": dictionary of argument name'), "llama3_json"),
     (("<|tool_call|>", "<|tool|>"), "phi4_mini_json"),
+    # Gemma's templates show no tools: their turn marker, or a template that shows tool_code
+    (("```tool_code", "<start_of_turn>"), "pythonic"),
 )
 
 

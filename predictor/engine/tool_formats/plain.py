@@ -23,8 +23,10 @@ def plain(
     template: str | None,
     calls_text: CallsText,
     instructions: str,
+    answer: Callable[[str], str] | None = None,
 ) -> list[dict[str, Any]]:
-    """`instructions` names the tools' place with `{tools}` (one JSON object a line)."""
+    """`instructions` names the tools' place with `{tools}` (one JSON object a line); `answer`
+    writes a tool's answer as the user turn's text (default: `Tool result: ...`)."""
     out: list[dict[str, Any]] = []
     for message in conversation:
         role, content = message["role"], message.get("content") or ""
@@ -36,7 +38,8 @@ def plain(
                 {"role": "assistant", "content": f"{content}\n{calls}" if content else calls}
             )
         elif role == "tool":
-            out.append({"role": "user", "content": f"Tool result: {content}"})
+            text = answer(content) if answer else f"Tool result: {content}"
+            out.append({"role": "user", "content": text})
         else:
             out.append({"role": role, "content": content})
     if tools:

@@ -130,7 +130,7 @@ def test_an_object_that_is_no_call_stays_text(name: str) -> None:
         ("llama-3.2.jinja", "llama3_json"),
         ("mistral-7b-instruct-v0.3.jinja", "mistral"),
         ("phi-4-mini-instruct.jinja", "phi4_mini_json"),
-        ("gemma-3.jinja", "hermes"),
+        ("gemma-3.jinja", "pythonic"),
         ("qwen3.jinja", "hermes"),
         (None, "hermes"),
     ],
@@ -141,7 +141,7 @@ def test_the_template_text_chooses_the_format(template: str | None, name: str) -
     assert tool_formats.choose(text, "mistral").name == "mistral"  # the override wins
     assert tool_formats.get("qwen").name == "hermes"  # vLLM's other names
     with pytest.raises(KeyError):
-        tool_formats.get("pythonic")
+        tool_formats.get("granite")
 
 
 ROUND_TRIP: list[dict[str, Any]] = [
@@ -166,7 +166,9 @@ ROUND_TRIP: list[dict[str, Any]] = [
         ("phi-4-mini-instruct.jinja",
          ["<|tool|>[{", '<|tool_call|>{"name": "get_weather", "arguments": {"city": "Rome"',
           "<|tool|>21 C<|end|>"]),
-        ("gemma-3.jinja", ["<tool_call>", "<tool_response>\n21 C", "Be brief."]),
+        ("gemma-3.jinja",
+         ['[get_weather(city="Paris", unit="c"), get_weather(city="Rome", unit="c")]',
+          "```tool_output\n18 C\n```\n\n```tool_output\n21 C\n```", "Be brief."]),
         ("qwen3.jinja", ["<tools>\n{", '<tool_call>\n{"name": "get_weather"', "<tool_response>\n21 C"]),
     ],
 )  # fmt: skip
