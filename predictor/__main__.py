@@ -310,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tool_format = choose(template if isinstance(template, str) else None,
                          settings.tool_call_parser or None)  # fmt: skip
     log.info("tool calls in the %s format", tool_format.name)
-    limits = Limits(settings.default_max_tokens, settings.max_json_depth, tool_format.name)
+    limits = Limits(settings.default_max_tokens, settings.max_json_depth, tool_format.name,
+                    engine.inputs.reasoning is not None)  # fmt: skip
     predictor = LLMPredictor(name, engine, limits, observer)
     adapters = [AdapterPredictor(adapter, predictor, path) for adapter, path in settings.adapters]
     adapters += [AdapterPredictor(alias, predictor, None) for alias in settings.model_aliases]

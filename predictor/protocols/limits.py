@@ -92,3 +92,16 @@ class Limits:
     default_max_tokens: int  # a request's max_tokens when it names none
     max_json_depth: int  # nesting of JSON the decoders parse themselves
     tool_format: str = "hermes"  # the model's tool-call format (engine/tool_formats/ names)
+    thinks: bool = False  # whether the model has a reasoning parser (engine/reasoning.py)
+
+
+def check_thinking(asked: str | None, limits: Limits) -> None:
+    """A field that asks the model to think (`asked`: its name, None where none does) is a 400
+    naming it when the model does not think: it cannot be honoured. Fields that ask for no
+    thinking pass on any model (the decoders do not name them)."""
+    if asked is not None and not limits.thinks:
+        raise InvalidRequest(
+            f"'{asked}' asks the model to think, and this model does not (it has no reasoning "
+            "parser: --reasoning-parser)",
+            param=asked,
+        )

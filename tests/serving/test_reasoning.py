@@ -2,7 +2,7 @@
 template (tests/fixtures/qwen3_chat_template.jinja) and <think> / </think> tokens: chat
 completions' reasoning_content beside content, streamed and whole alike, enable_thinking, the
 thinking budget, a JSON schema answer after the thinking; a model that does not think is
-unchanged. A random model never thinks on its own: logit_bias on <think> makes it open a
+unchanged, and a field asking it to think (on any API) is a 400 naming it. A random model never thinks on its own: logit_bias on <think> makes it open a
 thinking (and fill it with <think> text), and the budget ends it."""
 
 from __future__ import annotations
@@ -191,13 +191,76 @@ def test_a_bad_template_variable_is_a_400(thinker: ServerProcess) -> None:
     assert answer.json()["error"]["param"] == "chat_template_kwargs"
 
 
+# (route, body, the field named) asking a model to think: a 400 where it does not
+ASKING_THINKING = [
+    ("chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": True}},
+     "chat_template_kwargs.enable_thinking"),
+    ("chat/completions", {"thinking_token_budget": 2}, "thinking_token_budget"),
+    ("chat/completions", {"reasoning_effort": "none", "thinking_token_budget": 2},
+     "thinking_token_budget"),
+    ("responses", {"reasoning": {"effort": "high", "summary": "auto"}}, "reasoning.effort"),
+    ("messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ("messages/count_tokens", {"thinking": {"type": "enabled", "budget_tokens": 1024}},
+     "thinking"),
+]  # fmt: skip
+# and the forms that ask for no thinking, which any model honours
+ASKING_NONE = [
+    ("chat/completions", {"reasoning_effort": "none"}),
+    ("chat/completions", {"reasoning_effort": "minimal"}),
+    ("chat/completions", {"chat_template_kwargs": {"enable_thinking": False}}),
+    ("chat/completions", {"thinking_token_budget": 0}),
+    ("responses", {"reasoning": {"effort": "minimal", "summary": "auto"}}),
+    ("responses", {"reasoning": {"effort": "none"}}),
+    ("messages", {"thinking": {"type": "disabled"}}),
+    ("messages", {"thinking": {"type": "adaptive"}}),
+    ("messages/count_tokens", {"thinking": {"type": "disabled"}}),
+]  # fmt: skip
+
+
+def _post(server: ServerProcess, route: str, extra: dict[str, Any]) -> httpx.Response:
+    ask = [{"role": "user", "content": "Why?"}]
+    body: dict[str, Any] = (
+        {"model": "tiny", "input": "Why?", "max_output_tokens": 6}
+        if route == "responses"
+        else {"model": "tiny", "messages": ask, "max_tokens": 6}
+    )
+    return httpx.post(f"{server.base_url}/v1/{route}", json=body | extra, timeout=120)
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), ASKING_THINKING)
+def test_a_model_that_does_not_think_refuses_a_field_asking_it_to(
+    server: ServerProcess, route: str, extra: dict[str, Any], param: str
+) -> None:
+    """The default tiny model has no reasoning parser: a field asking it to think cannot be
+    honoured, and is a 400 naming it (streamed too: refused before the stream begins)."""
+    for stream_too in ({}, {"stream": True}):
+        if route == "messages/count_tokens" and stream_too:
+            continue
+        answer = _post(server, route, extra | stream_too)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert f"'{param}' asks the model to think" in error["message"], error
+        if not route.startswith("messages"):  # Anthropic's error body names no param
+            assert error["param"] == param
+
+
+@pytest.mark.parametrize(("route", "extra"), ASKING_NONE)
+def test_a_model_that_does_not_think_serves_the_forms_asking_for_none(
+    server: ServerProcess, route: str, extra: dict[str, Any]
+) -> None:
+    answer = _post(server, route, extra)
+    assert answer.status_code == 200, answer.text
+    text = answer.text
+    assert "reasoning_content" not in text and '"thinking"' not in text
+    assert '"type":"reasoning"' not in text.replace(" ", "")
+
+
 def test_a_model_that_does_not_think_is_unchanged(server: ServerProcess) -> None:
-    """The default tiny model's template has no thinking: no reasoning fields, whatever asked."""
-    body = {"max_tokens": 6, "chat_template_kwargs": {"enable_thinking": True},
-            "thinking_token_budget": 2}  # fmt: skip
-    message = chat(server, **body)["choices"][0]["message"]
+    """Without a reasoning field, its answers carry none, whole or streamed."""
+    message = chat(server, max_tokens=6)["choices"][0]["message"]
     assert "reasoning_content" not in message and "reasoning" not in message
-    _, content, deltas = stream(server, extra_body=body)
+    _, content, deltas = stream(server, max_tokens=6)
     assert content == message["content"]
     assert not any("reasoning_content" in d for d in deltas)
 

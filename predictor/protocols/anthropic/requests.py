@@ -10,6 +10,8 @@ The sampling fields are read by the parameter table (protocol `anthropic`); stru
 400 naming it: a server tool, an unknown field or block. `thinking` maps onto a thinking
 model's reasoning (engine/reasoning.py): enabled with its budget_tokens as the thinking budget,
 disabled as its chat template's enable_thinking false, adaptive (or absent) as the model thinks.
+On a model that does not think, enabled is a 400 naming `thinking` (`asks_thinking`); disabled
+and adaptive (the model decides, and it decides not to) are served as without `thinking`.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class MessagesRequest:
     request: GenerateRequest
     stream: bool
     tools: bool  # whether the answer's text is read for tool calls
+    # the field that asks the model to think (limits.check_thinking), None where none does
+    asks_thinking: str | None = None
 
 
 def decode_messages(
@@ -76,7 +80,11 @@ def decode_messages(
         prompt, params=sampling, cache_salt=values.cache_salt, tenant=tenant,
         chat_template_kwargs=variables, thinking_budget=budget,
     )  # fmt: skip
-    return MessagesRequest(base, parsed.model, request, bool(parsed.stream), tools is not None)
+    enabled = parsed.thinking is not None and parsed.thinking.get("type") == "enabled"
+    return MessagesRequest(
+        base, parsed.model, request, bool(parsed.stream), tools is not None,
+        asks_thinking="thinking" if enabled else None,
+    )  # fmt: skip
 
 
 def _validated(rest: Mapping[str, Any]) -> bodies.MessagesBody:
@@ -120,7 +128,8 @@ def thinking_check(
 ) -> tuple[int | None, dict[str, Any] | None]:
     """`thinking` as a thinking budget and the chat template's variables: enabled with
     budget_tokens (a budget), disabled (enable_thinking false), adaptive (the model's way); any
-    other type or key a 400 naming it. A model that does not think ignores it."""
+    other type or key a 400 naming it. (Enabled on a model that does not think: the route's
+    400, `MessagesRequest.asks_thinking`.)"""
     if thinking is None:
         return None, None
     kind = thinking.get("type")

@@ -96,7 +96,7 @@ class ChatBody(_Common):
     # vLLM's: a thinking model's thinking tokens at most, then its end tag is forced
     thinking_token_budget: int | None = Field(None, ge=0)
     # OpenAI's: "none" turns a thinking model's thinking off (enable_thinking false); the
-    # others leave it as the model thinks
+    # others leave it as the model thinks (on a model that does not: see asks_thinking)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
@@ -240,6 +240,8 @@ class OpenAIRequest:
     tools: bool = False  # whether the choices' text is read for tool calls
     echo: bool = False  # completions: the prompt leads each choice's text and logprobs
     prompt_logprobs: int | None = None  # vLLM's: the k of the answer's prompt_logprobs
+    # the field that asks the model to think (limits.check_thinking), None where none does
+    asks_thinking: str | None = None
 
 
 def _stream_flags(body: _Common) -> tuple[bool, bool]:
@@ -400,5 +402,22 @@ def decode_chat(body: Any, default_max_tokens: int, tool_format: str = "hermes")
         include_usage,
         k is not None,
         bool(parsed.return_tokens_as_token_ids),
-        tools is not None, prompt_logprobs=asked,
+        tools is not None, prompt_logprobs=asked, asks_thinking=asks_thinking(parsed),
     )  # fmt: skip
+
+
+# reasoning efforts that zero thinking satisfies: any model honours them
+NO_THINKING_EFFORTS = frozenset({"none", "minimal"})
+
+
+def asks_thinking(parsed: ChatBody) -> str | None:
+    """The first field that asks the model to think (a 400 on a model that does not:
+    limits.check_thinking): a reasoning_effort above minimal, enable_thinking true, a thinking
+    budget above 0. The forms that ask for no thinking are not named."""
+    if parsed.reasoning_effort is not None and parsed.reasoning_effort not in NO_THINKING_EFFORTS:
+        return "reasoning_effort"
+    if (parsed.chat_template_kwargs or {}).get("enable_thinking"):
+        return "chat_template_kwargs.enable_thinking"
+    if parsed.thinking_token_budget:
+        return "thinking_token_budget"
+    return None

@@ -44,7 +44,7 @@ from predictor.protocols.openai.messages import (
     conversation,
     tool_setup,
 )
-from predictor.protocols.openai.requests import validate_body
+from predictor.protocols.openai.requests import NO_THINKING_EFFORTS, validate_body
 from predictor.protocols.openai.validation import param_of, telling_error
 from predictor.types import GenerateRequest
 
@@ -206,6 +206,8 @@ class ResponsesRequest:
     max_output_tokens: int | None = None
     metadata: Mapping[str, str] | None = None
     user: str | None = None
+    # the field that asks the model to think (limits.check_thinking), None where none does
+    asks_thinking: str | None = None
 
     @property
     def reads_calls(self) -> bool:
@@ -229,7 +231,8 @@ def _refuse_state(body: Any) -> None:
 def check_reasoning(reasoning: Reasoning | None) -> dict[str, Any] | None:
     """`reasoning`'s effort (REASONING_EFFORTS) and summary (REASONING_SUMMARIES; none is
     written) checked; the chat template's variables it asks for (effort "none": thinking off),
-    or None. Absent or null fields ask for nothing."""
+    or None. Absent or null fields ask for nothing. (An effort above minimal on a model that
+    does not think: the route's 400, `ResponsesRequest.asks_thinking`.)"""
     if reasoning is None:
         return None
     if reasoning.effort is not None and reasoning.effort not in REASONING_EFFORTS:
@@ -370,6 +373,7 @@ def decode_responses(
     if values.sampling.max_tokens < 1:
         raise InvalidRequest("'max_output_tokens' must be at least 1", param="max_output_tokens")
     variables = check_reasoning(parsed.reasoning)
+    effort = parsed.reasoning.effort if parsed.reasoning is not None else None
     for i, entry in enumerate(parsed.include or ()):
         if entry not in INCLUDABLE:
             raise InvalidRequest(f"'include' {entry!r} is not supported", param=f"include[{i}]")
@@ -407,4 +411,5 @@ def decode_responses(
         parsed.tool_choice if parsed.tool_choice is not None else "auto",
         parsed.parallel_tool_calls is not False, text_format, parsed.instructions,
         body.get("max_output_tokens"), parsed.metadata, parsed.user,
+        "reasoning.effort" if effort is not None and effort not in NO_THINKING_EFFORTS else None,
     )  # fmt: skip

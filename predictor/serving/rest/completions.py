@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from predictor.engine.client import Stream, failure, gather_all
 from predictor.errors import InvalidRequest, PredictorError
 from predictor.protocols import schemas
+from predictor.protocols.limits import check_thinking
 from predictor.protocols.openai import requests, responses
 from predictor.protocols.openai.requests import OpenAIRequest
 from predictor.serving.errors import openai_body, openai_response
@@ -132,6 +133,7 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
     async def serve(request: Request, decode: Decode) -> Response:
         try:
             model, parsed = await model_and_body(request, resolve, decode)
+            check_thinking(parsed.asks_thinking, model.limits)
             if parsed.stream:
                 return await start_stream(model, parsed)
             return await answer(model, parsed)

@@ -20,6 +20,7 @@ from predictor.errors import PredictorError
 from predictor.protocols import schemas
 from predictor.protocols.anthropic import requests, responses
 from predictor.protocols.anthropic.requests import MessagesRequest
+from predictor.protocols.limits import check_thinking
 from predictor.serving.errors import anthropic_body, anthropic_response
 from predictor.serving.rest.body import model_and_body
 from predictor.serving.rest.routes import MESSAGES, OPENAI_PREFIXES, openapi_extra
@@ -74,6 +75,7 @@ def build_router(resolve: Resolve) -> APIRouter:
     async def messages(request: Request) -> Response:
         try:
             model, parsed = await model_and_body(request, resolve, message)
+            check_thinking(parsed.asks_thinking, model.limits)
             if parsed.stream:
                 return await start_stream(model, parsed)
             return await answer(model, parsed)
@@ -84,6 +86,7 @@ def build_router(resolve: Resolve) -> APIRouter:
         """{"input_tokens": N}: the prompt as /v1/messages would send it, tools included."""
         try:
             model, parsed = await model_and_body(request, resolve, counting)
+            check_thinking(parsed.asks_thinking, model.limits)
             ids = await model.llm.tokenize(parsed.request)
             return JSONResponse(responses.count_body(len(ids)))
         except PredictorError as exc:

@@ -17,6 +17,7 @@ from fastapi.responses import Response
 from predictor.engine.client import Stream, failure
 from predictor.errors import PredictorError
 from predictor.protocols import schemas
+from predictor.protocols.limits import check_thinking
 from predictor.protocols.openai.responses_api import ResponsesRequest, decode_responses
 from predictor.protocols.openai.responses_output import Event, ResponseEncoder
 from predictor.serving.errors import openai_body, openai_response
@@ -100,6 +101,7 @@ def build_router(resolve: Resolve) -> APIRouter:
     async def responses(request: Request) -> Response:
         try:
             model, parsed = await model_and_body(request, resolve, decode_responses)
+            check_thinking(parsed.asks_thinking, model.limits)
             if parsed.stream:
                 return await start_stream(model, parsed)
             return await answer(model, parsed)

@@ -141,6 +141,17 @@ def test_thinking_maps_onto_the_models_reasoning() -> None:
     assert free.thinking_budget is None and free.chat_template_kwargs is None
 
 
+def test_only_thinking_enabled_asks_the_model_to_think() -> None:
+    """Named for the route's check (limits.check_thinking: a 400 on a model that does not
+    think); disabled and adaptive (the model decides) are served by any model."""
+    assert decode_messages(BODY, 64).asks_thinking is None
+    for kind in ("disabled", "adaptive"):
+        assert decode_messages({**BODY, "thinking": {"type": kind}}, 64).asks_thinking is None
+    for counting in (False, True):
+        enabled = {**BODY, "thinking": {"type": "enabled", "budget_tokens": 0}}
+        assert decode_messages(enabled, 64, counting).asks_thinking == "thinking"
+
+
 @pytest.mark.parametrize(
     ("change", "param"),
     [

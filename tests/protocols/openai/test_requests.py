@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from predictor.errors import InvalidRequest as InvalidField
+from predictor.protocols.limits import Limits, check_thinking
 from predictor.protocols.openai.requests import decode_chat, decode_completion
 from predictor.protocols.schemas import CHAT_SCHEMA, COMPLETION_SCHEMA
 
@@ -257,3 +258,36 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
     assert mine.chat_template_kwargs == {"enable_thinking": True}
     (low,) = decode_chat(CHAT | {"reasoning_effort": "low"}, 16).choices
     assert low.chat_template_kwargs is None
+
+
+@pytest.mark.parametrize(
+    ("extra", "asked"),
+    [
+        ({}, None),
+        ({"reasoning_effort": "none"}, None),
+        ({"reasoning_effort": "minimal"}, None),
+        ({"chat_template_kwargs": {"enable_thinking": False, "x": 1}}, None),
+        ({"thinking_token_budget": 0}, None),
+        ({"reasoning_effort": "low"}, "reasoning_effort"),
+        ({"reasoning_effort": "xhigh"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, "chat_template_kwargs.enable_thinking"),
+        ({"thinking_token_budget": 1}, "thinking_token_budget"),
+        ({"reasoning_effort": "high", "thinking_token_budget": 5}, "reasoning_effort"),
+    ],
+)  # fmt: skip
+def test_the_field_asking_the_model_to_think_is_named(
+    extra: dict[str, Any], asked: str | None
+) -> None:
+    """Named for the route's check (limits.check_thinking): a 400 on a model that does not
+    think, the request as decoded on one that does."""
+    decoded = decode_chat(CHAT | extra, 16)
+    assert decoded.asks_thinking == asked
+    assert decode_completion({"model": "m", "prompt": "Hi"}, 16).asks_thinking is None
+    check_thinking(asked, Limits(16, 32, thinks=True))
+    if asked is None:
+        check_thinking(asked, Limits(16, 32))
+        return
+    with pytest.raises(InvalidField) as caught:
+        check_thinking(asked, Limits(16, 32))
+    assert caught.value.param == asked
+    assert str(caught.value).startswith(f"'{asked}' asks the model to think")

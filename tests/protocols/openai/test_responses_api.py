@@ -160,6 +160,16 @@ def test_reasoning_effort_none_turns_thinking_off_and_the_others_leave_it() -> N
         assert decode(reasoning={"effort": effort}).request.chat_template_kwargs is None
 
 
+def test_an_effort_above_minimal_is_named_as_asking_the_model_to_think() -> None:
+    """For the route's check (limits.check_thinking: a 400 on a model that does not think)."""
+    assert decode().asks_thinking is None
+    assert decode(reasoning={"summary": "auto"}).asks_thinking is None
+    for effort in ("none", "minimal"):
+        assert decode(reasoning={"effort": effort}).asks_thinking is None
+    for effort in ("low", "medium", "high", "xhigh"):
+        assert decode(reasoning={"effort": effort}).asks_thinking == "reasoning.effort"
+
+
 def test_earlier_reasoning_items_are_left_out_of_the_prompt() -> None:
     given = [
         {"role": "user", "content": "Hi"},
