@@ -35,13 +35,13 @@ CODE_BEGIN = "```tool_code"
 CODE_END = "```"
 SEPARATOR = ", "
 
-_NAME = r"[A-Za-z_][\w.-]*"
+_NAME = r"[^\W\d][\w.-]*"  # a tool's name: letters (any script), digits, _ . -
 _LIST_OPEN = re.compile(rf"\[\s*{_NAME}\s*\(")  # a list of calls begins
 _LIST_HELD = re.compile(rf"\[\s*(?:{_NAME}\s*)?$")  # text that may become one
 _CALL_OPEN = re.compile(rf"({_NAME})\s*\(")
 _CALL_PREFIX = re.compile(rf"{_NAME}\s*")
-_KEY = re.compile(r"\s*([A-Za-z_][\w-]*)\s*=(?!=)")
-_KEY_PREFIX = re.compile(r"\s*(?:[A-Za-z_][\w-]*\s*)?")
+_KEY = re.compile(r"\s*([^\W\d][\w-]*)\s*=(?!=)")
+_KEY_PREFIX = re.compile(r"\s*(?:[^\W\d][\w-]*\s*)?")
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 _IDENTIFIER = "[A-Za-z_][A-Za-z0-9_]*"
 

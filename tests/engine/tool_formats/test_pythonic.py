@@ -50,6 +50,8 @@ CASES: dict[str, tuple[str, tuple[str | None, list[ToolCall]]]] = {
         '[convert-money(from="USD", to="EUR")]',
         (None, [ToolCall("convert-money", '{"from": "USD", "to": "EUR"}')]),
     ),
+    "names and keys in any script": ('[météo(città="Roma")]',
+                                     (None, [ToolCall("météo", '{"città": "Roma"}')])),
     "a call then text": ("[f(x=1)]\nDone.", ("Done.", [ToolCall("f", '{"x": 1}')])),
     "cut off in the second call: that one is text": (
         '[f(x=1), g(y="ab', ('g(y="ab', [ToolCall("f", '{"x": 1}')])
