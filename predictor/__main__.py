@@ -17,6 +17,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY
 
+from predictor import vllm_args
 from predictor.config import AUTOTUNE, FUSED_KERNELS, Settings
 from predictor.engine.adapters import Adapters
 from predictor.engine.async_engine import AsyncEngine
@@ -263,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # our INFO lines (kernel choices, memory, readiness) on stderr: configured here, at the edge
     # (they once appeared only because importing gptqmodel configures the root logger)
     logging.basicConfig(level=logging.INFO)
+    transfer = vllm_args.kv_transfer_config(settings.kv_transfer_config)  # checked: JSON
+    for line in vllm_args.kv_transfer_notes(transfer) if transfer is not None else ():
+        log.warning(line)  # asked for by the deployment (KServe's kvCacheOffloading), not served
     hide_argv_from_kserve()  # KServe's import-time argv parser must see none of our flags
     os.environ["HF_HOME"] = str(settings.hf_home)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

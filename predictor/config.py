@@ -114,6 +114,8 @@ class Settings:
     kv_events_config: str = ""
     # the block hash the KV events carry (engine/kv_events.py): sha256_cbor | sha256 | builtin
     prefix_caching_hash_algo: str = "sha256"
+    # vLLM's KV connector JSON (KServe's spec.kvCacheOffloading): read, logged, not served
+    kv_transfer_config: str = ""
     max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
     # speculative decoding without a draft model: off | ngram | suffix; a row drafts only
     # while the steps' measured cost says its drafts pay (so it is on by default: where
@@ -218,6 +220,7 @@ class Settings:
             )
         names = [name for name, _ in self.adapters]  # raises for a malformed entry
         events = self.kv_events  # raises for bad JSON or an unknown key
+        vllm_args.kv_transfer_config(self.kv_transfer_config)  # raises where it is not JSON
         if events is not None and events.publishing and not self.prefix_caching:
             raise ValueError("--kv-events-config publishes the prefix cache's events: it needs "
                              "--enable-prefix-caching")  # fmt: skip
@@ -275,7 +278,8 @@ class Settings:
 
 
 _HELP = {
-    "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models)",
+    "model_dir": "GPTQ checkpoint folder (KServe mounts storageUri at /mnt/models); also the "
+    "first word when it is not a flag (vLLM's `vllm serve MODEL`)",
     "model_name": "name served under /v2/models/{name} and as the OpenAI model (default: the "
     "folder's name; also --served-model-name, vLLM's name)",
     "model_aliases": "other names the model answers to on every protocol, each listed in "
@@ -313,7 +317,8 @@ _HELP = {
     "max_cache_tokens": "KV-cache size in tokens; a request takes its prompt's blocks at "
     "admission and one more each block_size tokens it generates (preempted and recomputed "
     "later when the cache is full)",
-    "kv_block_size": "tokens per KV-cache block (the prefix cache shares whole blocks)",
+    "kv_block_size": "tokens per KV-cache block (the prefix cache shares whole blocks; also "
+    "--block-size, vLLM's name)",
     "prefix_caching": "automatic prefix caching: a prompt that starts with blocks another "
     "request computed (same tokens, same cache_salt) reuses them instead of computing them",
     "kv_events_config": "KV-cache events for prefix-aware routers (llm-d, Dynamo), vLLM's "
@@ -326,6 +331,9 @@ _HELP = {
     "builtin (Python's hash()); the first block's parent is the hash of PYTHONHASHSEED, "
     "random where unset (set it alike in the router). The prefix cache's own keys are not "
     "these",
+    "kv_transfer_config": "vLLM's KV connector as JSON (KServe's LLMInferenceService "
+    "spec.kvCacheOffloading passes an OffloadingConnector): accepted and logged, not served: "
+    "the KV cache stays in RAM (a value that is not a JSON object stops the start)",
     "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
     "a long prompt's prefill may pause the running streams",
     "speculative": "speculative decoding without a draft model: 'ngram' drafts from the "
@@ -351,7 +359,8 @@ _HELP = {
     "max_prompt_tokens": "longest prompt in tokens (0: context length - max tokens limit)",
     "request_timeout": "seconds a request may run before it ends with finish reason timeout "
     "(0: none; a request's own `timeout` parameter may set one)",
-    "drain_seconds": "on SIGTERM, seconds for requests in flight to finish before exit",
+    "drain_seconds": "on SIGTERM, seconds for requests in flight to finish before exit (also "
+    "--shutdown-timeout, vLLM's name)",
     "max_prompts": "most prompts in one request (V2 text_input [N]; OpenAI n x prompts); "
     "more is a 400",
     "max_body_bytes": "largest REST body (413 past it) and gRPC message (RESOURCE_EXHAUSTED)",
@@ -424,7 +433,7 @@ def _otel_default(name: str, env: Mapping[str, str], default: str) -> str:
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = vllm_args.Parser(
         prog="python -m predictor",
         description="Serve a GPTQ model over KServe's V2 REST and gRPC protocols.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,

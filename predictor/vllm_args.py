@@ -1,7 +1,15 @@
 """`vllm serve`'s spellings of this server's settings: what a deployment written for vLLM passes
-(KServe's LLMInferenceService templates its engine command and appends its LoRA flags), read
-into the same Settings (config.py builds the parser and calls these). A boolean flag is written
-as vLLM writes its own (argparse.BooleanOptionalAction): `--flag` alone, `--no-flag`."""
+(KServe's LLMInferenceService templates its engine command and appends its LoRA, tracing and KV
+offloading flags), read into the same Settings (config.py builds the parser and calls these). A
+boolean flag is written as vLLM writes its own (argparse.BooleanOptionalAction): `--flag` alone,
+`--no-flag`.
+
+KServe's preset (config/llmisvcconfig/config-llm-template.yaml, kserve/kserve) runs
+`vllm serve /mnt/models --served-model-name NAME publishers/NS/models/NAME --port 8000
+--disable-uvicorn-access-log [--shutdown-timeout S] [--kv-transfer-config JSON]
+[--enable-ssl-refresh --ssl-certfile F --ssl-keyfile F] $VLLM_ADDITIONAL_ARGS $@`, where $@ holds
+`--enable-lora [--max-lora-rank=N] [--max-loras=N] [--max-cpu-loras=N] --lora-modules JSON...`
+and `--otlp-traces-endpoint URL --collect-detailed-traces all`: every word of it is taken here."""
 
 from __future__ import annotations
 
@@ -15,6 +23,10 @@ from typing import Any
 FLAG_ALIASES = {
     "http_port": ("--port",),
     "prefix_caching": ("--enable-prefix-caching",),  # and --no-enable-prefix-caching
+    "kv_block_size": ("--block-size",),
+    # vLLM >= 0.18: seconds requests in flight may take after SIGTERM (KServe passes the pod's
+    # grace period less its preStop pause and 5 s: 40 with the preset's 60 and 15)
+    "drain_seconds": ("--shutdown-timeout",),
 }
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -62,6 +74,19 @@ def add_boolean(
     )
 
 
+class Parser(argparse.ArgumentParser):
+    """vLLM's `vllm serve MODEL [FLAGS]`: a first word that is not a flag is the model folder,
+    as --model-dir (a later --model-dir counts instead, as with any flag given twice). Anywhere
+    else a word that no flag takes is an error, as before."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None and args and not args[0].startswith("-"):
+            args = ["--model-dir", args[0], *args[1:]]
+        return super().parse_known_args(args, namespace)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's flags with no Settings field of their own."""
     parser.add_argument(
@@ -82,6 +107,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, ["--enable-auto-tool-choice"], "enable_auto_tool_choice", False,
         "vLLM's; tool_choice auto needs no switch here",
     )  # fmt: skip
+    # KServe's preset passes these; each has no effect here, and says why
+    add_boolean(
+        parser, ["--disable-uvicorn-access-log"], "disable_uvicorn_access_log", False,
+        "vLLM's; probes and scrapes are logged at DEBUG here, other requests at INFO",
+    )  # fmt: skip
+    parser.add_argument(
+        "--disable-access-log-for-endpoints",
+        metavar="PATHS",
+        help="vLLM's (comma-separated paths); probes and scrapes are logged at DEBUG here",
+    )
+    add_boolean(
+        parser, ["--enable-ssl-refresh"], "enable_ssl_refresh", False,
+        "vLLM's; the certificate and key are always read again when renewed here",
+    )  # fmt: skip
+    parser.add_argument(
+        "--collect-detailed-traces",
+        metavar="MODULES",
+        help="vLLM's (model, worker, all); a request's span carries its latencies here",
+    )
 
 
 class _ServedNames(argparse.Action):
@@ -93,14 +137,23 @@ class _ServedNames(argparse.Action):
         namespace.served_aliases = tuple(values[1:])
 
 
+LORA_MODULE_KEYS = ("name", "path", "base_model_name")  # vLLM's LoRAModulePath
+
+
 def lora_module(entry: str) -> tuple[str, str]:
-    """A --lora-modules entry as (name, path): `NAME=PATH`, or vLLM's JSON form."""
+    """A --lora-modules entry as (name, path): `NAME=PATH`, or vLLM's JSON form `{"name": NAME,
+    "path": PATH, "base_model_name": BASE}` (the base is optional and only informative in vLLM:
+    an adapter here is always of the served model). Another key is refused, as vLLM refuses it."""
     if entry.startswith("{"):
         try:
             spec = json.loads(entry)
         except ValueError as exc:
             raise ValueError(f"--lora-modules: {entry!r} is not JSON ({exc})") from exc
         name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (0, 0)
+        unknown = sorted(set(spec) - set(LORA_MODULE_KEYS)) if isinstance(spec, dict) else []
+        if unknown:
+            raise ValueError(f"--lora-modules: {entry!r} has unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(LORA_MODULE_KEYS)})")  # fmt: skip
     else:
         name, _, path = entry.partition("=")
     if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
@@ -160,3 +213,36 @@ def kv_events_config(text: str) -> KVEventsConfig | None:
         raise ValueError(f"--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// "
                          f"address, not {config.endpoint!r}")  # fmt: skip
     return config
+
+
+# --kv-transfer-config keys this server honours (none yet: its KV cache stays in RAM)
+KV_TRANSFER_HONOURED: frozenset[str] = frozenset()
+
+
+def kv_transfer_config(text: str) -> dict[str, Any] | None:
+    """vLLM's --kv-transfer-config JSON (its KVTransferConfig; KServe's `spec.kvCacheOffloading`
+    injects `{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {...}}`): None where empty, ValueError where it is not a JSON
+    object. Its keys are not checked against vLLM's: none is served (kv_transfer_notes)."""
+    if not text.strip():
+        return None
+    try:
+        spec = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--kv-transfer-config is not JSON ({exc}): {text!r}") from exc
+    if not isinstance(spec, dict):
+        raise ValueError(f"--kv-transfer-config must be a JSON object, not {text!r}")
+    return spec
+
+
+def kv_transfer_notes(spec: dict[str, Any]) -> list[str]:
+    """What a start logs of --kv-transfer-config: the connector not served, the keys honoured
+    and those not (each line plain: a deployment asked for it and does not get it)."""
+    connector = spec.get("kv_connector") or "no kv_connector"
+    honoured = sorted(set(spec) & KV_TRANSFER_HONOURED)
+    ignored = sorted(set(spec) - KV_TRANSFER_HONOURED)
+    return [
+        f"kv-transfer-config: {connector} not served, KV stays in RAM",
+        f"kv-transfer-config: keys honoured: {', '.join(honoured) or 'none'}; not honoured: "
+        f"{', '.join(ignored) or 'none'}",
+    ]

@@ -184,6 +184,84 @@ def test_lora_flags_as_vllm_and_kserves_llminferenceservice_write_them() -> None
             Settings.from_sources(bad, {})
 
 
+# what KServe's LLMInferenceService preset and controller give `vllm serve` (kserve/kserve:
+# config/llmisvcconfig/config-llm-template.yaml, workload_lora.go, tracing.go, config_merge.go's
+# kvTransferConfig), word for word after `vllm serve`
+KSERVE_ARGV = [
+    "/mnt/models", "--served-model-name", "smol", "publishers/team-a/models/smol",
+    "--port", "8000", "--disable-uvicorn-access-log", "--shutdown-timeout", "40",
+    "--kv-transfer-config", '{"kv_connector":"OffloadingConnector","kv_connector_extra_config":'
+    '{"cpu_bytes_to_use":10737418240,"eviction_policy":"lru","secondary_tiers":[{"root_dir":'
+    '"/mnt/kv-cache-0","type":"fs"}],"spec_name":"TieringOffloadingSpec"},"kv_role":"kv_both"}',
+    "--enable-ssl-refresh", "--enable-lora", "--max-lora-rank=16", "--max-loras=2",
+    "--max-cpu-loras=4", "--lora-modules", '{"name":"sql","path":"/mnt/lora/sql"}',
+    "--otlp-traces-endpoint", "http://otel-collector:4317", "--collect-detailed-traces", "all",
+]  # fmt: skip
+
+
+def test_kserves_llminferenceservice_argv_is_taken_whole() -> None:
+    s = Settings.from_sources(KSERVE_ARGV, {"PREDICTOR_DRAIN_SECONDS": "5"})
+    assert (s.model_dir, s.model_name, s.model_aliases) == (
+        Path("/mnt/models"),
+        "smol",
+        ("publishers/team-a/models/smol",),
+    )
+    assert (s.http_port, s.drain_seconds, s.otlp_traces_endpoint) == (
+        8000,
+        40,
+        "http://otel-collector:4317",
+    )
+    assert s.adapters == [("sql", "/mnt/lora/sql")] and s.max_cpu_loras == 4
+    transfer = vllm_args.kv_transfer_config(s.kv_transfer_config)
+    assert transfer is not None and transfer["kv_connector"] == "OffloadingConnector"
+    notes = vllm_args.kv_transfer_notes(transfer)
+    assert notes[0] == "kv-transfer-config: OffloadingConnector not served, KV stays in RAM"
+    assert notes[1] == ("kv-transfer-config: keys honoured: none; not honoured: kv_connector, "
+                        "kv_connector_extra_config, kv_role")  # fmt: skip
+
+
+def test_vllms_model_block_size_and_shutdown_timeout_set_our_settings() -> None:
+    """vLLM's `vllm serve MODEL`: a first word that is not a flag is --model-dir (a later
+    --model-dir counts instead); --block-size is --kv-block-size, --shutdown-timeout is
+    --drain-seconds."""
+    s = Settings.from_sources(["/m", "--block-size", "64", "--shutdown-timeout", "7"], {})
+    assert (s.model_dir, s.kv_block_size, s.drain_seconds) == (Path("/m"), 64, 7)
+    assert Settings.from_sources(["/b", "--model-dir", "/a"], {}).model_dir == Path("/a")
+    assert Settings.from_sources([], {"PREDICTOR_MODEL_DIR": "/e"}).model_dir == Path("/e")
+    for stray in (["/a", "/b"], ["--model-dir", "/a", "/b"], ["--no-enable-grpc", "/b"]):
+        with pytest.raises(SystemExit):  # a word no flag takes, but the first
+            Settings.from_sources(stray, {})
+
+
+def test_kv_transfer_config_must_be_a_json_object() -> None:
+    assert Settings.from_sources([], {}).kv_transfer_config == ""
+    for bad, words in (("{kv_connector: x}", "is not JSON"), ('["x"]', "JSON object"),
+                       ('"x"', "JSON object")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"--kv-transfer-config.*{words}"):
+            Settings.from_sources(["--kv-transfer-config", bad], {})
+    # a connector of another name is taken and said to be not served, as any key
+    other = vllm_args.kv_transfer_notes({"kv_connector": "LMCacheConnectorV1", "kv_port": 1})
+    assert other[0].startswith("kv-transfer-config: LMCacheConnectorV1 not served")
+    assert other[1].endswith("not honoured: kv_connector, kv_port")
+
+
+def test_lora_modules_json_takes_vllms_keys_only() -> None:
+    entry = '{"name": "sql", "path": "/p", "base_model_name": "smol"}'
+    assert Settings.from_sources(["--lora-modules", entry], {}).adapters == [("sql", "/p")]
+    with pytest.raises(ValueError, match="unknown key.*rank"):
+        Settings.from_sources(["--lora-modules", '{"name": "a", "path": "/p", "rank": 8}'], {})
+
+
+def test_vllms_flags_without_effect_here_are_taken() -> None:
+    parse = build_parser({}).parse_args
+    ns = parse(["--disable-uvicorn-access-log", "--enable-ssl-refresh",
+                "--disable-access-log-for-endpoints", "/health,/metrics",
+                "--collect-detailed-traces", "all"])  # fmt: skip
+    assert ns.disable_uvicorn_access_log and ns.enable_ssl_refresh
+    assert ns.disable_access_log_for_endpoints == "/health,/metrics"
+    assert ns.collect_detailed_traces == "all"
+
+
 def test_the_boolean_settings_are_found() -> None:
     # the lists the tests below iterate: a dataclass change that hid the booleans would empty them
     assert {"enable_grpc", "prefix_caching", "allow_runtime_lora", "model_control",

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from predictor.model.builds import QUALITY_FILE
-from tests.support import ServerProcess
+from tests.support import ServerProcess, run_predictor
 
 
 def plans(log: str) -> list[str]:
@@ -30,3 +30,12 @@ def test_the_kernel_a_build_recorded_is_served_unless_overridden(
         log = server.log()
     assert "chosen by the checkpoint's build" not in log
     assert plans(log) and all(line.endswith(": 1+ rows native_i8") for line in plans(log))
+
+
+def test_an_unparseable_kv_transfer_config_stops_the_start(tiny_gptq_dir: Path) -> None:
+    """KServe's spec.kvCacheOffloading passes vLLM's --kv-transfer-config: JSON that is not an
+    object stops the start at once, in one line naming it, with exit code 2."""
+    code, out = run_predictor(["--model-dir", str(tiny_gptq_dir), "--kv-transfer-config",
+                               '{"kv_connector": OffloadingConnector}'])  # fmt: skip
+    assert code == 2 and "predictor: --kv-transfer-config is not JSON" in out, out
+    assert "Traceback" not in out
