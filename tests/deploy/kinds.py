@@ -6,9 +6,11 @@ Per kind (each returns error strings; empty: accepted):
 - ClusterServingRuntime: the vendored CRD, the kserve SDK model, KServe's protocol names and the
   placeholders its template step understands.
 - InferencePool: the vendored CRD, its two CEL rules ported by hand (validate.CEL_RULES).
-- LLMInferenceService: the vendored CRD, and its `main` container's command (the Go template
-  rendered with TLS on and off) parsed by our real CLI: port 8000, /mnt/models, the served name,
-  the vllm: metric names, the mounted certificate (`engine_errors`).
+- LLMInferenceService: the vendored CRD, and its `main` container's command as KServe's
+  controller runs it (engine_command.py: the Go template rendered, the controller's LoRA and
+  tracing args appended, run in bash) parsed by our real CLI: port 8000, /mnt/models, both
+  served names, the vllm: metric names, the mounted certificate, the drain within the grace
+  period, and the KV events its endpoint picker reads (`engine_errors`).
 - Deployment, Service, PodDisruptionBudget, ServiceAccount, Role, RoleBinding: the Kubernetes
   JSON schemas in the `kubernetes-validate` package, strict (unknown fields are errors).
 - HTTPRoute: HTTPROUTE_SCHEMA, the subset of Gateway API v1 that a route to an InferencePool
@@ -37,6 +39,7 @@ import jsonschema
 import kubernetes_validate
 from referencing import Registry, Resource
 
+from tests.deploy.engine_command import engine_errors
 from tests.deploy.validate import (
     RESERVED_ENV,
     crd_errors,
@@ -51,10 +54,6 @@ CRD_DIR = Path(__file__).resolve().parent / "crd"
 RUNTIME_CRD = CRD_DIR / "serving.kserve.io_clusterservingruntimes.yaml"
 POOL_CRD = CRD_DIR / "gie" / "inference.networking.k8s.io_inferencepools.yaml"
 LLMISVC_CRD = CRD_DIR / "llmisvc" / "serving.kserve.io_llminferenceservices.yaml"
-# what KServe's LLMInferenceService controller and its preset (kserve-config-llm-template)
-# fix: the engine's Service and InferencePool target port, the probes' path, the TLS files
-LLMISVC_PORT = 8000
-LLMISVC_TLS = ("/var/run/kserve/tls/tls.crt", "/var/run/kserve/tls/tls.key")
 K8S_VERSION = "1.33"  # the oldest cluster the overlays are for (preStop `sleep` needs >= 1.30)
 PROTOCOLS = {"v1", "v2", "grpc-v1", "grpc-v2"}  # KServe's InferenceServiceProtocol values
 AUTOSCALER_CLASSES = {"hpa", "keda", "external", "none"}
@@ -457,53 +456,6 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
         )
     if (resources.get("limits") or {}).get("memory") != memory:
         errors.append("kserve-container.resources: memory limit differs from the request")
-    return errors
-
-
-def engine_errors(doc: Doc) -> list[str]:
-    """An LLMInferenceService's `main` container, its Go template rendered with KServe's TLS
-    on and off: it starts our real CLI parser with the port, model folder, served name and
-    certificate that KServe's controller and preset expect of `vllm serve`."""
-    import shlex
-
-    from predictor.config import build_parser
-
-    spec = doc["spec"]
-    mains = [c for c in (spec.get("template") or {}).get("containers") or [] if c["name"] == "main"]
-    if len(mains) != 1:
-        return ["LLMInferenceService: no `main` container (the engine KServe probes)"]
-    command = [*(mains[0].get("command") or []), *(mains[0].get("args") or [])]
-    if command[:2] != ["/bin/sh", "-c"] or len(command) < 3:
-        return ["main.command: not `/bin/sh -c SCRIPT --` (the preset's shape)"]
-    name = spec["model"].get("name") or doc["metadata"]["name"]
-    errors = []
-    for tls in (True, False):
-        script = re.sub(r"\{\{ if \.GlobalConfig\.EnableTLS \}\}(.*?)\{\{ end \}\}",
-                        r"\1" if tls else "", command[2], flags=re.S)  # fmt: skip
-        script = script.replace("{{ .Spec.Model.Name }}", name)
-        if "{{" in script:
-            errors.append(f"main.command: a template this check does not know: {script!r}")
-            continue
-        words = shlex.split(script)
-        if words[:4] != ["exec", "python", "-m", "predictor"]:
-            errors.append(f"main.command: does not exec `python -m predictor`: {words[:4]}")
-            continue
-        args = [w for w in words[4:] if w != "$@"]
-        try:
-            ns = build_parser({}).parse_args(args)
-        except SystemExit:
-            errors.append(f"main.command: `python -m predictor` rejects {args}")
-            continue
-        where = f"main.command (TLS {'on' if tls else 'off'})"
-        if ns.http_port != LLMISVC_PORT or ns.host != "0.0.0.0":
-            errors.append(f"{where}: serves {ns.host}:{ns.http_port}, not 0.0.0.0:{LLMISVC_PORT}")
-        if str(ns.model_dir) != "/mnt/models" or ns.model_name != name:
-            errors.append(f"{where}: model {ns.model_dir} as {ns.model_name!r}, not /mnt/models "
-                          f"as {name!r}")  # fmt: skip
-        if not ns.vllm_metric_aliases:
-            errors.append(f"{where}: no vllm: metric names, which the endpoint picker reads")
-        if (ns.ssl_certfile, ns.ssl_keyfile) != (LLMISVC_TLS if tls else ("", "")):
-            errors.append(f"{where}: certificate {ns.ssl_certfile!r}, key {ns.ssl_keyfile!r}")
     return errors
 
 

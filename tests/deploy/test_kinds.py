@@ -480,6 +480,74 @@ BROKEN: dict[str, tuple[str, Change, str]] = {
         ),
         "rejects",
     ),
+    "llmisvc: one served name": (
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: main_script(
+                d, ' \\"publishers/{{ .ObjectMeta.Namespace }}/models/{{ .Spec.Model.Name }}\\"', ""
+            ),
+        ),
+        "publishers/<namespace>/models/<name>",
+    ),  # fmt: skip
+    "llmisvc: the controller's args dropped": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: main_script(d, '$@"', '"')),
+        "the controller's LoRA flags arrive as []",
+    ),
+    "llmisvc: args without eval": (  # KServe single-quotes each LoRA module for the eval
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: (main_script(d, 'eval "exec', "exec"), main_script(d, '$@"', '"$@"')),
+        ),
+        "is neither NAME=PATH nor",
+    ),  # fmt: skip
+    "llmisvc: KV offloading dropped": (
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: main_script(d, "{{ kvTransferConfig .Spec.KVCacheOffloading }}", ""),
+        ),
+        "spec.kvCacheOffloading arrives as None",
+    ),  # fmt: skip
+    "llmisvc: drain past the grace period": (
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: main_script(d, "{{ shutdownTimeout .Spec.Template 15 }}", "55"),
+        ),
+        "> the grace period",
+    ),  # fmt: skip
+    "llmisvc: block size not the scheduler's": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: main_script(d, "--block-size 16", "--block-size 64")),
+        "block size 64, the scheduler's 16",
+    ),
+    "llmisvc: events where the picker does not subscribe": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: main_script(d, "tcp://*:5557", "tcp://*:5558")),
+        "the picker subscribes to each pod on 5557",
+    ),
+    "llmisvc: topic without the pod's port": (
+        "llm-inference-service",
+        edit("LLMInferenceService", lambda d: main_script(d, "${POD_IP}:8000@", "${POD_IP}@")),
+        "topic 'kv@10.1.2.3@smollm2-135m-instruct'",
+    ),
+    "llmisvc: no hash seed": (
+        "llm-inference-service",
+        edit(
+            "LLMInferenceService",
+            lambda d: d["spec"]["template"]["containers"][0].update(
+                env=[
+                    e
+                    for e in d["spec"]["template"]["containers"][0]["env"]
+                    if e["name"] != "PYTHONHASHSEED"
+                ]
+            ),
+        ),
+        "no PYTHONHASHSEED",
+    ),  # fmt: skip
     "rules: record and alert": (
         "observability",
         edit("PrometheusRule", lambda d: d["spec"]["groups"][0]["rules"][0].update(alert="X")),
