@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.support import ServerProcess
 
@@ -33,10 +34,10 @@ def read_stream(base: str, out: list[dict], started: threading.Event) -> None:
 
 @contextmanager
 def stream_then_sigterm(
-    model_dir: Path, drain_seconds: int
+    model_dir: Path, drain_seconds: int, flag: str = "--drain-seconds"
 ) -> Iterator[tuple[ServerProcess, list[dict]]]:
     """A server with one long stream under way, sent SIGTERM; it must exit 0 by the block's end."""
-    extra = ["--drain-seconds", str(drain_seconds), "--max-tokens-limit", "512"]
+    extra = [flag, str(drain_seconds), "--max-tokens-limit", "512"]
     with ServerProcess.start(model_dir, "tiny", extra=extra) as srv:
         events: list[dict] = []
         started = threading.Event()
@@ -76,7 +77,12 @@ def test_sigterm_drains_then_exits_zero(tiny_gptq_dir: Path) -> None:
     assert events[-1]["details"]["generated_tokens"] == 500
 
 
-def test_grace_period_ends_leftover_streams_with_an_error_event(tiny_gptq_dir: Path) -> None:
-    with stream_then_sigterm(tiny_gptq_dir, drain_seconds=0) as (_, events):
+# ours, and vLLM's name, which KServe's LLMInferenceService passes (40 s: its pod's grace period
+# less the preStop pause and 5 s)
+@pytest.mark.parametrize("flag", ["--drain-seconds", "--shutdown-timeout"])
+def test_grace_period_ends_leftover_streams_with_an_error_event(
+    tiny_gptq_dir: Path, flag: str
+) -> None:
+    with stream_then_sigterm(tiny_gptq_dir, drain_seconds=0, flag=flag) as (_, events):
         pass
     assert "error" in events[-1] and "stopped" in events[-1]["error"]
