@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 
@@ -73,9 +73,13 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int],
         stop: Sequence[str],
         table: list[bytes] | None = None,
+        keep: Mapping[int, str] | None = None,
     ) -> None:
+        """`keep`: special tokens whose text stays in the text (a tool format's markers), where
+        every other special token is left out."""
         self._decoder = decoder
         self._table = table  # byte_table(tokenizer): one lookup per token instead of decode
+        self._keep = keep or {}
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
@@ -93,7 +97,12 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return ""
-        if self._table is not None:
+        if token_id in self._keep:
+            self._pending += self._utf8.decode(self._keep[token_id].encode())
+            if self._table is None:  # the token goes on as the next text's context only
+                self._ids.append(token_id)
+                self._prefix_offset, self._read_offset = len(self._ids) - 1, len(self._ids)
+        elif self._table is not None:
             self._pending += self._utf8.decode(self._table[token_id])
         else:
             self._ids.append(token_id)

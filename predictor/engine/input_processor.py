@@ -61,6 +61,7 @@ class InputProcessor:
         self._eos_ids = frozenset(eos_ids)
         self._grammar_limits = (grammar_timeout, max_grammar_compiles)
         self._byte_table = byte_table(tokenizer)
+        self._markers: dict[str, dict[int, str]] = {}  # kept_markers, by tool format
         # a token never spells more characters than its vocabulary entry has symbols, so a text
         # longer than this is too long without tokenizing it
         longest = max((len(t) for t in _vocabulary(tokenizer)), default=0)
@@ -173,8 +174,12 @@ class InputProcessor:
             prompt_ids=prompt_ids,
             params=request.params,
             detokenizer=IncrementalDetokenizer(
-                self.tokenizer, prompt_ids, request.params.stop, self._byte_table
-            ),
+                self.tokenizer,
+                prompt_ids,
+                request.params.stop,
+                self._byte_table,
+                self.kept_markers(request.tool_format) if request.tools else None,
+            ),  # fmt: skip
             sink=sink,
             deadline=deadline,
             cache_salt=request.cache_salt,
@@ -195,6 +200,20 @@ class InputProcessor:
         budget = request.thinking_budget
         budget = self.reasoning_budget if budget is None else budget
         return Thinking(form, Splitter(form.start, form.end, state), state, budget)
+
+    def kept_markers(self, tool_format: str) -> dict[int, str]:
+        """The special tokens of this tokenizer that spell the format's call markers, by id:
+        kept in the text of a request with tools (skip_special_tokens would drop them, and the
+        parser would read the calls as content). Looked up once per format."""
+        if tool_format not in self._markers:
+            wanted = set(tool_formats.get(tool_format).markers)
+            added = getattr(self.tokenizer, "added_tokens_decoder", {})
+            self._markers[tool_format] = {
+                token_id: token.content
+                for token_id, token in added.items()
+                if token.special and token.content in wanted
+            }
+        return self._markers[tool_format]
 
     def adapter_slot(self, name: str) -> int:
         """The runner slot of the LoRA adapter of that name, made resident just before (on

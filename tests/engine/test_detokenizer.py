@@ -86,3 +86,32 @@ def test_byte_table_path_equals_decode_path(tokenizer_dir) -> None:  # type: ign
 
 def test_byte_table_refuses_tokenizers_of_other_kinds() -> None:
     assert byte_table(CharDecoder()) is None
+
+
+def test_a_kept_special_token_stays_in_the_text_on_both_paths(tokenizer_dir) -> None:  # type: ignore[no-untyped-def]
+    """Mistral's [TOOL_CALLS] is a special token in its tokenizer: skipped, the calls after it
+    read as content. Kept (a request with tools), its text is there, on the byte table's path
+    and on decode's, and the text after it keeps its spaces; other special tokens still go."""
+    from predictor.engine.tool_formats import get
+    from predictor.engine.tool_formats.base import split_with
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    text = ' Sure.[TOOL_CALLS][{"name": "convert", "arguments": {"amount": 3}}]'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert marker in ids
+    ids.append(tokenizer.eos_token_id)  # a special token not kept
+    for table in (byte_table(tokenizer), None):
+        assert table is None or table[marker] == b""
+        skipped = IncrementalDetokenizer(tokenizer, [], [], table)
+        assert "".join(feed_ids(skipped, ids)) == text.replace("[TOOL_CALLS]", "")
+        kept = IncrementalDetokenizer(tokenizer, [], [], table, {marker: "[TOOL_CALLS]"})
+        out = "".join(feed_ids(kept, ids))
+        assert out == text, (table is None, out)
+        content, calls = split_with(get("mistral").parser(), out)
+        assert content == " Sure." and [c.name for c in calls] == ["convert"]
+
+
+def feed_ids(detok: IncrementalDetokenizer, ids: Sequence[int]) -> list[str]:
+    return [detok.push(i) for i in ids] + [detok.flush()]

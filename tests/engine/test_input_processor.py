@@ -60,3 +60,29 @@ def test_the_engine_request_carries_the_prompt_its_deadline_and_echo_only(
     made = inputs.request(request, ids, events.append, deadline=12.5)
     assert made.prompt_ids == ids and made.deadline == 12.5 and made.echo_only
     assert not inputs.request(ask("Hello"), ids, events.append, None).echo_only
+
+
+def test_a_request_with_tools_keeps_its_formats_special_markers(tokenizer_dir: object) -> None:
+    """The markers of the request's tool format that this tokenizer holds as special tokens are
+    kept in its text (Phi-4-mini's <|tool_call|>, <|/tool_call|>); none for a format whose
+    markers it lacks, and no request without tools keeps any."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool_call|>", "<|/tool_call|>"]})
+    limits = Limits(max_tokens=64, max_prompt_tokens=40, max_prompts=2, cache_blocks=8,
+                    block_size=16)  # fmt: skip
+    inputs = InputProcessor(tokenizer, limits, frozenset([tokenizer.eos_token_id]))
+    begin, end = tokenizer.convert_tokens_to_ids(["<|tool_call|>", "<|/tool_call|>"])
+    assert inputs.kept_markers("phi4_mini_json") == {begin: "<|tool_call|>", end: "<|/tool_call|>"}
+    assert inputs.kept_markers("hermes") == {} and inputs.kept_markers("mistral") == {}
+    tools = ({"type": "function", "function": {"name": "f", "parameters": {}}},)
+    asked = GenerateRequest("r", "hi", SamplingParams(max_tokens=4), tools=tools,
+                            tool_format="phi4_mini_json")  # fmt: skip
+    ids = tokenizer.encode("<|tool_call|>", add_special_tokens=False)
+    made = inputs.request(asked, [1, 2], lambda event: None, None)
+    assert (
+        "".join(made.detokenizer.push(i) for i in ids) + made.detokenizer.flush() == "<|tool_call|>"
+    )
+    plain = inputs.request(ask("hi", max_tokens=4), [1, 2], lambda event: None, None)
+    assert "".join(plain.detokenizer.push(i) for i in ids) + plain.detokenizer.flush() == ""

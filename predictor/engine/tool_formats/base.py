@@ -63,6 +63,13 @@ class ToolFormat(Protocol):
 
     def parser(self) -> Parser: ...
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The texts that open and close calls: where a tokenizer holds one as a special token
+        (Mistral's [TOOL_CALLS], Phi-4-mini's <|tool_call|>), a request with tools keeps it in
+        its text for the parser, as vLLM's skip_special_tokens=False does."""
+        ...
+
 
 def split_with(parser: Parser, text: str) -> tuple[str | None, list[ToolCall]]:
     """Whole text -> the text outside the calls (None when there is none) and the calls, read

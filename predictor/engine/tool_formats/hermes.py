@@ -244,6 +244,7 @@ class Hermes:
     """The format as `ToolFormat` (engine/tool_formats/base.py)."""
 
     name = "hermes"
+    markers = (BEGIN, END)
 
     def render(
         self,

@@ -51,6 +51,10 @@ class JsonCalls:
     bare_names: bool = False  # `name[ARGS]{...}` calls (Mistral v11+)
     renderer: Any = field(default=None, compare=False)  # (conversation, tools, template) -> ...
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        return self.begins + self.ends
+
     # -- the prompt --------------------------------------------------------------------------
     def render(
         self,

@@ -375,6 +375,7 @@ class Pythonic:
     """The format as `ToolFormat` (engine/tool_formats/base.py)."""
 
     name = "pythonic"
+    markers: tuple[str, ...] = ()  # text: ```tool_code fences and brackets
 
     def render(
         self,
