@@ -37,6 +37,46 @@ class Parser(Protocol):
     def finish(self) -> list[Delta]: ...
 
 
+class BlockParser:
+    """The feed / finish loop of a parser whose text alternates content and blocks of calls:
+    `_text` reads content up to a block's opening (holding back what may begin one), `_calls`
+    reads the open block's calls (`final`: the text has ended); each consumes what it read of
+    `_buffer`, and the loop runs while one makes progress. What is left at the end is content,
+    stripped where calls came before it."""
+
+    _buffer: str
+    _block_calls: int  # calls read in the block last opened
+
+    def _in_block(self) -> bool:
+        raise NotImplementedError
+
+    def _text(self) -> list[Delta]:
+        raise NotImplementedError
+
+    def _calls(self, final: bool) -> list[Delta]:
+        raise NotImplementedError
+
+    def feed(self, text: str) -> list[Delta]:
+        self._buffer += text
+        out: list[Delta] = []
+        while True:
+            before = (self._in_block(), len(self._buffer))
+            out.extend(self._calls(final=False) if self._in_block() else self._text())
+            if (self._in_block(), len(self._buffer)) == before:
+                return out
+
+    def finish(self) -> list[Delta]:
+        out: list[Delta] = []
+        while self._buffer or self._in_block():
+            if not self._in_block():
+                rest, self._buffer = self._buffer, ""
+                rest = rest.strip() if self._block_calls else rest.rstrip()
+                out += [Delta("content", rest)] if rest else []
+                break
+            out += self._calls(final=True)
+        return out
+
+
 class ToolFormat(Protocol):
     """One family's tool-call format: how tools and tool turns reach the chat template, the
     grammar that forces calls in it, and the parser that reads them back."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from predictor.engine.tool_formats.base import (
+    BlockParser,
     Choice,
     Delta,
     arguments_text,
@@ -115,7 +116,7 @@ class JsonCalls:
         return JsonCallParser(self)
 
 
-class JsonCallParser:
+class JsonCallParser(BlockParser):
     """Streamed text -> deltas for a `JsonCalls` format (see the module's docstring)."""
 
     def __init__(self, fmt: JsonCalls) -> None:
@@ -127,25 +128,8 @@ class JsonCallParser:
         self._started = False  # content or calls went out
         self.calls = 0
 
-    def feed(self, text: str) -> list[Delta]:
-        self._buffer += text
-        out: list[Delta] = []
-        while True:
-            before = (self._in_calls, len(self._buffer))
-            out.extend(self._calls(final=False) if self._in_calls else self._text())
-            if (self._in_calls, len(self._buffer)) == before:
-                return out
-
-    def finish(self) -> list[Delta]:
-        out: list[Delta] = []
-        while self._buffer or self._in_calls:
-            if not self._in_calls:
-                rest, self._buffer = self._buffer, ""
-                rest = rest.strip() if self._block_calls else rest.rstrip()
-                out += [Delta("content", rest)] if rest else []
-                break
-            out += self._calls(final=True)
-        return out
+    def _in_block(self) -> bool:
+        return self._in_calls
 
     def _text(self) -> list[Delta]:
         fmt = self._fmt

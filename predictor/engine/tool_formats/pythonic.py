@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from predictor.engine.tool_formats.base import MAX_WHITESPACE, Choice, Delta, held
+from predictor.engine.tool_formats.base import MAX_WHITESPACE, BlockParser, Choice, Delta, held
 from predictor.engine.tool_formats.plain import has_tool_turns, instructions, plain
 
 CODE_BEGIN = "```tool_code"
@@ -155,7 +155,7 @@ def read_arguments(text: str) -> tuple[dict[str, Any], int] | None | object:
             return _INCOMPLETE
 
 
-class StreamParser:
+class StreamParser(BlockParser):
     """Streamed text -> deltas: content until a list of calls (`[NAME(`) or a tool_code block
     begins, then each call, name and arguments at once, as soon as its `)` closes it. Text that
     may be the start of either is held back; a block in which no call is read is content, its
@@ -169,25 +169,8 @@ class StreamParser:
         self._scanned = 0  # the buffer's characters already tried for the current call
         self.calls = 0
 
-    def feed(self, text: str) -> list[Delta]:
-        self._buffer += text
-        out: list[Delta] = []
-        while True:
-            before = (self._mode, len(self._buffer))
-            out.extend(self._calls(final=False) if self._mode else self._text())
-            if (self._mode, len(self._buffer)) == before:
-                return out
-
-    def finish(self) -> list[Delta]:
-        out: list[Delta] = []
-        while self._buffer or self._mode:
-            if not self._mode:
-                rest, self._buffer = self._buffer, ""
-                rest = rest.strip() if self._block_calls else rest.rstrip()
-                out += [Delta("content", rest)] if rest else []
-                break
-            out += self._calls(final=True)
-        return out
+    def _in_block(self) -> bool:
+        return self._mode is not None
 
     def _text(self) -> list[Delta]:
         code = self._buffer.find(CODE_BEGIN)
