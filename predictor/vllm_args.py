@@ -184,14 +184,9 @@ class KVEventsConfig:
 
 def kv_events_config(text: str) -> KVEventsConfig | None:
     """--kv-events-config's JSON (None where empty); ValueError naming what is wrong."""
-    if not text.strip():
+    spec = json_object(text, "--kv-events-config")
+    if spec is None:
         return None
-    try:
-        spec = json.loads(text)
-    except ValueError as exc:
-        raise ValueError(f"--kv-events-config is not JSON ({exc}): {text!r}") from exc
-    if not isinstance(spec, dict):
-        raise ValueError(f"--kv-events-config must be a JSON object, not {text!r}")
     kinds = {f.name: type(f.default) for f in fields(KVEventsConfig)}
     unknown = sorted(set(spec) - set(kinds))
     if unknown:
@@ -224,14 +219,19 @@ def kv_transfer_config(text: str) -> dict[str, Any] | None:
     injects `{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
     "kv_connector_extra_config": {...}}`): None where empty, ValueError where it is not a JSON
     object. Its keys are not checked against vLLM's: none is served (kv_transfer_notes)."""
+    return json_object(text, "--kv-transfer-config")
+
+
+def json_object(text: str, flag: str) -> dict[str, Any] | None:
+    """A flag's JSON object (None where the text is empty); ValueError naming the flag."""
     if not text.strip():
         return None
     try:
         spec = json.loads(text)
     except ValueError as exc:
-        raise ValueError(f"--kv-transfer-config is not JSON ({exc}): {text!r}") from exc
+        raise ValueError(f"{flag} is not JSON ({exc}): {text!r}") from exc
     if not isinstance(spec, dict):
-        raise ValueError(f"--kv-transfer-config must be a JSON object, not {text!r}")
+        raise ValueError(f"{flag} must be a JSON object, not {text!r}")
     return spec
 
 
