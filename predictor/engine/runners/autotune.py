@@ -176,10 +176,6 @@ def _rowwise_factory(make: Callable[[], Kernel]) -> Callable[[], Kernel]:
     return lambda: rowwise(make())
 
 
-def _chosen(choices: Choices, key: str, name: str) -> bool:
-    return any(n == name for _, n in choices.plans[key])
-
-
 def _dispatch(plan: list[tuple[int, Kernel]]) -> Kernel:
     if len({id(k) for _, k in plan}) == 1:
         return plan[0][1]

@@ -83,18 +83,6 @@ def release_repack_tables() -> None:
     _FREE.clear()
 
 
-def _repack(
-    compiled: native.Int4Kernel,
-    qweight: torch.Tensor,
-    scales_and_zeros: torch.Tensor,
-    group_size: int,
-    in_features: int,
-) -> torch.Tensor:
-    """The int4pack weights and their scales and zeros in int4_matmul.c's layout (uint8)."""
-    codes = int4pack_codes(qweight, scales_and_zeros.shape[1], in_features)
-    return repack_codes(compiled, codes, scales_and_zeros, group_size, in_features)
-
-
 def repack_codes(
     compiled: native.Int4Kernel,
     codes: torch.Tensor,
@@ -110,17 +98,6 @@ def repack_codes(
     compiled.repack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, in_features,
                     group_size, out.data_ptr())  # fmt: skip
     return out
-
-
-def dequantize_int4pack(
-    qweight: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, in_features: int
-) -> torch.Tensor:
-    """The weights [N, K] in bf16, exactly as torch's int4 op computes them: scale * (code - 8)
-    + zero per group (torch's int4pack convention), from the codes read back. Not through the
-    op itself on an identity matrix: that is K^2 N multiply-adds, 1.3 s a projection at 1.7B
-    shapes, where this is a few element-wise passes."""
-    codes = int4pack_codes(qweight, scales_and_zeros.shape[1], in_features)
-    return dequantize_codes(codes, scales_and_zeros, group_size)
 
 
 def gptq_codes(part: internals.AtenPacked, out: torch.Tensor | None = None) -> torch.Tensor:

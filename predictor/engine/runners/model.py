@@ -304,10 +304,6 @@ class ModelRunner:
         memory.trim_heap()
         logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
 
-    @property
-    def cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._pools)
-
     @torch.inference_mode()
     def step_cost(self, fed: int, logit_rows: int) -> float | None:
         """What the autotune measured a step of `fed` tokens (`logit_rows` rows of logits)

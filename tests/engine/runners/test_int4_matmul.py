@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from predictor.engine.runners import native
-from predictor.engine.runners.int4_codes import _int4pack_block, _repack, int4pack_codes
+from predictor.engine.runners.int4_codes import _int4pack_block, int4pack_codes, repack_codes
 from predictor.engine.runners.int4_linear import Int4Linear
 from tests.support import native_cache
 
@@ -38,13 +38,15 @@ def quantized(n: int, k: int, group: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def repacked(kernel: native.Int4Kernel, q: dict, n: int, k: int, group: int) -> torch.Tensor:
-    """The kernel's layout straight from the codes (any n), as int4_codes._repack makes it."""
+    """The kernel's layout straight from the codes (any n), as int4_codes.repack_codes makes it
+    (from torch's int4pack too: the same bytes)."""
     weight = torch.empty(native.Int4Kernel.packed_bytes(n, k, group), dtype=torch.uint8)
     codes = q["codes"].to(torch.uint8).contiguous()
     kernel.repack(codes.data_ptr(), q["scales"].contiguous().data_ptr(),
                   q["zeros"].contiguous().data_ptr(), n, k, group, weight.data_ptr())  # fmt: skip
     if q["packed"] is not None:  # from torch's int4pack: the same bytes
-        assert torch.equal(_repack(kernel, q["packed"], q["sz"], group, k), weight)
+        codes = int4pack_codes(q["packed"], n, k)
+        assert torch.equal(repack_codes(kernel, codes, q["sz"], group, k), weight)
     return weight
 
 
@@ -249,10 +251,11 @@ def test_the_compiled_library_is_cached_and_reused(
 
 @pytest.mark.parametrize(("n", "k", "group"), [(64, 128, 32), (96, 256, 128), (48, 64, 64)])
 def test_dequantized_int4pack_is_what_the_int4_op_computes(n: int, k: int, group: int) -> None:
-    """The bf16 expansion the prepacked kernel serves equals, bit for bit, the int4 op applied
-    to an identity matrix (what it was computed by before: K^2 N multiply-adds)."""
+    """The bf16 expansion the prepacked kernel serves (the codes read back from int4pack,
+    expanded) equals, bit for bit, the int4 op applied to an identity matrix (what it was
+    computed by before: K^2 N multiply-adds)."""
     from predictor.engine.runners import internals
-    from predictor.engine.runners.int4_codes import dequantize_int4pack
+    from predictor.engine.runners.int4_codes import dequantize_codes
 
     generator = torch.Generator().manual_seed(n)
     codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=generator)
@@ -262,7 +265,8 @@ def test_dequantized_int4pack_is_what_the_int4_op_computes(n: int, k: int, group
     scales_and_zeros = torch.stack((scales, zeros), -1).to(torch.bfloat16)
     eye = torch.eye(k, dtype=torch.bfloat16)
     expected = internals.int4pack_mm(eye, packed, group, scales_and_zeros).t()
-    assert torch.equal(dequantize_int4pack(packed, scales_and_zeros, group, k), expected)
+    dense = dequantize_codes(int4pack_codes(packed, n, k), scales_and_zeros, group)
+    assert torch.equal(dense, expected)
 
 
 def test_gptq_words_unpack_alike_in_c_and_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
