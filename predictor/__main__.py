@@ -22,7 +22,8 @@ from predictor.config import AUTOTUNE, FUSED_KERNELS, Settings
 from predictor.engine.adapters import Adapters
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
-from predictor.engine.kv_events import Recorder
+from predictor.engine.kv_events import BlockHasher, Recorder
+from predictor.engine.kv_offload import ROOT_SEED, Offload
 from predictor.engine.kv_publisher import ZmqPublisher
 from predictor.engine.reasoning import choose_format
 from predictor.engine.runners.model import ModelRunner
@@ -49,6 +50,8 @@ from predictor.serving.kserve_argv import hide_argv_from_kserve
 from predictor.serving.ports import taken
 
 log = logging.getLogger("predictor")
+# at shutdown, of the ~40 s KServe leaves after preStop: writing the cached blocks to disk
+OFFLOAD_SAVE_SECONDS = 20.0
 
 
 def serving_kernel(settings: Settings, model_dir: Path) -> Settings:
@@ -106,6 +109,7 @@ def build_engine(
             )
         except ValueError as exc:  # a forced kernel this CPU cannot run
             raise CheckpointError(str(exc)) from exc
+    offload = _kv_offload(settings, runner, allocator, events, metrics)
     speculation = None
     if settings.speculative != "off":
         config = SpeculationConfig(settings.speculative, settings.num_speculative_tokens)
@@ -119,6 +123,7 @@ def build_engine(
         speculation=speculation,
         max_loras=settings.max_loras,
         events=events,
+        offload=offload,
     )
     step_loop = StepLoop(
         runner, scheduler, loaded.eos_ids, on_prepared=on_prepared, vocab=len(loaded.tokenizer)
@@ -143,10 +148,66 @@ def build_engine(
         max_grammar_compiles=settings.max_grammar_compiles,
         on_step=metrics.observe_step,
         adapters=adapters,
-        on_stop=None if publisher is None else publisher.stop,
+        on_stop=_on_stop(publisher, offload, allocator, step_loop),
         reasoning=choose_format(loaded.tokenizer, settings.reasoning_parser),
         reasoning_budget=None if settings.reasoning_budget < 0 else settings.reasoning_budget,
     )
+
+
+def _hash_seed(settings: Settings) -> str | None:
+    """vLLM's NONE_HASH seed: read here, at the edge (the router must be given the same); with
+    the disk cache a fixed one where it is unset (a restart must compute the same hashes)."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    return ROOT_SEED if seed is None and settings.kv_offload_dir else seed
+
+
+def _kv_offload(
+    settings: Settings,
+    runner: Runner,
+    allocator: BlockAllocator,
+    events: Recorder | None,
+    metrics: Metrics,
+) -> Offload | None:
+    """The prefix cache on disk where --kv-offload-dir turns it on (the CPU runner's); the
+    allocator told to spill into it."""
+    if not settings.kv_offload_dir:
+        return None
+    if not isinstance(runner, ModelRunner):
+        raise CheckpointError("--kv-offload-dir needs the CPU runner (not the GPU's or null)")
+    hasher = events.hasher if events is not None else BlockHasher(
+        allocator.block_size, settings.prefix_caching_hash_algo, _hash_seed(settings)
+    )  # fmt: skip
+    offload = Offload.open(
+        Path(settings.kv_offload_dir),
+        int(settings.kv_offload_size * 2**30),
+        resolve_checkpoint_dir(settings.model_dir),
+        hasher,
+        runner,
+    )
+    allocator.spill = offload
+    metrics.track_kv_offload(lambda: offload.counts, lambda: offload.store.used)
+    return offload
+
+
+def _on_stop(
+    publisher: ZmqPublisher | None,
+    offload: Offload | None,
+    allocator: BlockAllocator,
+    step_loop: StepLoop,
+) -> Callable[[], None] | None:
+    """What runs once the step loop stopped: the events' publisher closed, the cached blocks
+    saved to disk (only where the loop's thread is gone: no step may run meanwhile)."""
+    if publisher is None and offload is None:
+        return None
+
+    def stop() -> None:
+        if publisher is not None:
+            publisher.stop()
+        if offload is not None and not step_loop.alive():
+            saved = offload.save(allocator.cached_blocks(), timeout=OFFLOAD_SAVE_SECONDS)
+            log.info("KV disk cache: %d cached blocks saved at shutdown", saved)
+
+    return stop
 
 
 def _kv_events(settings: Settings, metrics: Metrics) -> tuple[ZmqPublisher | None, Recorder | None]:
@@ -165,14 +226,14 @@ def _kv_events(settings: Settings, metrics: Metrics) -> tuple[ZmqPublisher | Non
         on_drop=metrics.kv_events_dropped.inc,
     )
     publisher.start()
-    # vLLM's NONE_HASH seed: read here, at the edge (the router must be given the same)
-    seed = os.environ.get("PYTHONHASHSEED")
+    seed = _hash_seed(settings)
     recorder = Recorder(
         publisher.publish, settings.kv_block_size, settings.prefix_caching_hash_algo, seed
     )
-    if seed is None:
+    if os.environ.get("PYTHONHASHSEED") is None:
         log.warning("PYTHONHASHSEED is not set: the KV events' block hashes are seeded at "
-                    "random, so no router can compute them (vLLM's rule)")  # fmt: skip
+                    "%s, so no router can compute them (vLLM's rule)",
+                    "random" if seed is None else "this server's own seed")  # fmt: skip
     return publisher, recorder
 
 

@@ -116,6 +116,10 @@ class Settings:
     prefix_caching_hash_algo: str = "sha256"
     # vLLM's KV connector JSON (KServe's spec.kvCacheOffloading): read, logged, not served
     kv_transfer_config: str = ""
+    # the prefix cache on disk (engine/kv_offload.py): evicted blocks kept in this folder ("":
+    # off), at most this many GiB, read back instead of computed, found again after a restart
+    kv_offload_dir: str = ""
+    kv_offload_size: float = 8.0
     max_step_tokens: int = 256  # tokens one forward pass may feed: decode rows + prompt chunks
     # speculative decoding without a draft model: off | ngram | suffix; a row drafts only
     # while the steps' measured cost says its drafts pay (so it is on by default: where
@@ -224,6 +228,14 @@ class Settings:
         if events is not None and events.publishing and not self.prefix_caching:
             raise ValueError("--kv-events-config publishes the prefix cache's events: it needs "
                              "--enable-prefix-caching")  # fmt: skip
+        if self.kv_offload_dir and (
+            self.kv_offload_size <= 0
+            or not self.prefix_caching
+            or self.prefix_caching_hash_algo == "builtin"
+        ):
+            raise ValueError("--kv-offload-dir needs --kv-offload-size > 0, prefix caching and "
+                             "a --prefix-caching-hash-algo other than builtin (Python's hash() "
+                             "differs between processes)")  # fmt: skip
         if len(set(names)) != len(names):
             raise ValueError("--lora-modules names each adapter once")
         if not 1 <= self.max_lora_rank <= 256 or min(self.max_loras, self.max_cpu_loras) < 0:
@@ -334,6 +346,12 @@ _HELP = {
     "kv_transfer_config": "vLLM's KV connector as JSON (KServe's LLMInferenceService "
     "spec.kvCacheOffloading passes an OffloadingConnector): accepted and logged, not served: "
     "the KV cache stays in RAM (a value that is not a JSON object stops the start)",
+    "kv_offload_dir": "keep the prefix cache's evicted blocks in files in this folder (one "
+    "subfolder per model and code identity; empty: off): a prompt that starts with them reads "
+    "them back instead of computing them, and a restarted server finds them (docs/engine.md, "
+    "'Prefix cache on disk')",
+    "kv_offload_size": "GiB of block files --kv-offload-dir may hold; the least recently used "
+    "are removed past it",
     "max_step_tokens": "tokens per forward pass (decode rows + prompt chunks): bounds how long "
     "a long prompt's prefill may pause the running streams",
     "speculative": "speculative decoding without a draft model: 'ngram' drafts from the "

@@ -19,6 +19,10 @@ KV events (kv_events.py, for prefix-aware routers): with an `Evictions` listener
 keeps each cached block's event hash (vLLM's, given by the scheduler when it registers the
 block) and tells the listener when a cached block loses its key (evicted) or the whole cache is
 reset; without one (the default) nothing of that is kept or called.
+
+The disk cache (kv_offload.py): with a `Spill` listener, a cached block evicted (not reset) is
+told to it with its event hash before the block turns free, while its keys and values are
+still intact (the row that takes it writes them only in the next forward pass).
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ class Evictions(Protocol):
     def removed(self, block_hash: Any) -> None: ...
 
     def cleared(self) -> None: ...
+
+
+class Spill(Protocol):
+    """Told of each cached block evicted, before it is reused (kv_offload.Offload)."""
+
+    def spilled(self, block: int, block_hash: Any) -> None: ...
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -79,7 +89,11 @@ class BlockAllocator:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, evictions: Evictions | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        evictions: Evictions | None = None,
+        spill: Spill | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("the KV cache needs at least one block of at least one token")
@@ -97,7 +111,9 @@ class BlockAllocator:
         self._by_key: dict[BlockKey, int] = {}  # the cached prefixes: key -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refs 0, keyed; oldest first
         self.evictions = evictions  # KV events: told of evictions and resets (None: off)
-        self._event_hash: dict[int, Any] = {}  # a cached block's event hash (events on only)
+        self.spill = spill  # the disk cache: told of evictions (None: off)
+        # a cached block's event hash (events or the disk cache on only)
+        self._event_hash: dict[int, Any] = {}
 
     @property
     def used(self) -> int:
@@ -155,6 +171,13 @@ class BlockAllocator:
         """The event hash of a block just registered (told when it is evicted)."""
         self._event_hash[block] = event_hash
 
+    def cached_blocks(self) -> list[tuple[int, Any]]:
+        """Every cached block with its event hash, least recently used first (the disk cache
+        saves them at shutdown)."""
+        held = [b for b in self._by_key.values() if b not in self._evictable]
+        blocks = [*self._evictable, *held]
+        return [(b, self._event_hash[b]) for b in blocks if b in self._event_hash]
+
     def reset(self) -> bool:
         """Forget every cached prefix (vLLM's reset_prefix_cache): only while no row holds a
         block (False: refused, nothing done), as a row's later blocks chain on its earlier
@@ -177,10 +200,12 @@ class BlockAllocator:
         """A cached block no row holds loses its key and turns free (the listener told,
         unless `quiet`)."""
         del self._evictable[block]
-        if self.evictions is not None and not quiet:
-            event_hash = self._event_hash.pop(block, None)
-            if event_hash is not None:
+        event_hash = None if quiet else self._event_hash.pop(block, None)
+        if event_hash is not None:
+            if self.evictions is not None:
                 self.evictions.removed(event_hash)
+            if self.spill is not None:
+                self.spill.spilled(block, event_hash)
         key = self._key_of[block]
         assert key is not None
         del self._by_key[key]

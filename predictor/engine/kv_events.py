@@ -7,7 +7,7 @@ hash is `hash_fn((parent hash, the block's token ids, extra keys))`, the first b
 being NONE_HASH (`hash_fn(PYTHONHASHSEED)` where that is set, else 32 random bytes: vLLM's
 `init_none_hash`), extra keys vLLM's: the LoRA adapter's name on every block, the cache salt on
 the first (`generate_block_hash_extra_keys`), None where neither. A request's hashes are
-computed once each, and only when events are on (`Recorder`, built only then).
+computed once each (`BlockHasher`), and only when events or the disk cache are on.
 
 The hash functions (--prefix-caching-hash-algo, vLLM's names):
 - `sha256_cbor`: SHA-256 over canonical CBOR (RFC 8949, 4.2.1) of the tuple: portable, what
@@ -219,6 +219,29 @@ class HashedRequest(Protocol):
     def tokens(self, start: int, end: int) -> list[int]: ...
 
 
+class BlockHasher:
+    """A request's chained block hashes, each computed once (kept on the request): what the
+    events carry, and what the disk cache (kv_offload.py) files a block under."""
+
+    def __init__(self, block_size: int, algo: str = "sha256_cbor", seed: str | None = None) -> None:
+        self.block_size = block_size
+        self.algo = algo
+        self._hash = hash_function(algo)
+        self.root = none_hash(self._hash, seed)
+
+    def hashes(self, request: HashedRequest, count: int) -> list[BlockHash]:
+        """The hashes of the request's first `count` full blocks (each computed once)."""
+        have = request.event_hashes
+        if len(have) < count:
+            size = self.block_size
+            start = len(have) * size
+            have += chain_hashes(
+                self._hash, self.root, request.tokens(start, count * size), size,
+                request.lora_name, request.cache_salt, have[-1] if have else None, len(have),
+            )  # fmt: skip
+        return have[:count]
+
+
 class Recorder:
     """The prefix cache's changes as events. Thread confinement: the step loop's thread (the
     scheduler and the allocator call it; the loop flushes once a step)."""
@@ -233,22 +256,12 @@ class Recorder:
     ) -> None:
         self._publish = publish
         self.block_size = block_size
-        self._hash = hash_function(algo)
-        self.root = none_hash(self._hash, seed)
+        self.hasher = BlockHasher(block_size, algo, seed)
         self._clock = clock
         self._pending: list[KVCacheEvent] = []
 
     def hashes(self, request: HashedRequest, count: int) -> list[BlockHash]:
-        """The hashes of the request's first `count` full blocks (each computed once)."""
-        have = request.event_hashes
-        if len(have) < count:
-            size = self.block_size
-            start = len(have) * size
-            have += chain_hashes(
-                self._hash, self.root, request.tokens(start, count * size), size,
-                request.lora_name, request.cache_salt, have[-1] if have else None, len(have),
-            )  # fmt: skip
-        return have[:count]
+        return self.hasher.hashes(request, count)
 
     def stored(
         self,

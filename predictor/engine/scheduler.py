@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from predictor.engine.kv_cache import BlockAllocator, BlockKey, blocks_for
 from predictor.engine.kv_events import Recorder
+from predictor.engine.kv_offload import Offload
 from predictor.engine.request import Request
 from predictor.engine.speculation import Policy, Proposer
 from predictor.engine.step import StepRow
@@ -92,6 +93,7 @@ class Scheduler:
         speculation: tuple[Proposer, Policy] | None = None,
         max_loras: int = 0,
         events: Recorder | None = None,
+        offload: Offload | None = None,
     ) -> None:
         self.max_batch_size = max_batch_size
         # the cache this scheduler spends (a hand-built one for the scheduler's own tests)
@@ -104,6 +106,7 @@ class Scheduler:
         self.queue = WaitingQueue(max_waiting)  # the rest, in `order`
         self.max_loras = max_loras  # distinct LoRA adapters in one step (0: any number)
         self.events = events  # KV events of the prefix cache (None: off)
+        self.offload = offload  # the prefix cache's blocks on disk (None: off)
 
     # -- the queue (any thread) -----------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -149,6 +152,8 @@ class Scheduler:
                 request.speculation = self.speculation[0].state()
         self._grow(schedule)
         self._plan(schedule)
+        if self.offload is not None:  # blocks evicted this step: out before the forward pass
+            self.offload.flush()
         schedule.check()
         return schedule
 
@@ -162,7 +167,9 @@ class Scheduler:
         small headroom for the running rows to grow into (none needed by a lone request). A
         request whose prompt must be scored (prompt_logprobs) takes no cached prefix, as vLLM
         does: every position it scores is computed. Its output later grows one block at a
-        time; `schedule` preempts when none is left.
+        time; `schedule` preempts when none is left. With the disk cache, the blocks that
+        follow the cached prefix and are on disk are read into the request's new blocks
+        instead of being computed (`_load`).
         """
         admitted: list[Request] = []
         cache = self.allocator
@@ -173,8 +180,10 @@ class Scheduler:
                 running = len(self.running) + len(admitted)
                 total = request.total_tokens
                 hit: list[int] = []
+                keys: list[BlockKey] = []
                 if self.prefix_caching and not request.scoring:  # scored positions are computed
-                    hit = cache.match(request.block_keys((total - 1) // size, size))
+                    keys = request.block_keys((total - 1) // size, size)
+                    hit = cache.match(keys)
                 new = blocks_for(total, size) - len(hit)
                 spare = headroom if running else 0
                 if self._another_adapter(request, admitted):
@@ -193,10 +202,21 @@ class Scheduler:
                 request.blocks = hit + cache.allocate(new, claim=new + grow)
                 request.cached = len(hit) * size
                 request.registered = len(hit)
+                if self.offload is not None and len(hit) < len(keys):
+                    self._load(request, len(keys))
                 if not request.preemptions:
                     request.cached_prompt_tokens = request.cached
                 admitted.append(self.queue.pop_head())
         return admitted
+
+    def _load(self, request: Request, wanted: int) -> None:
+        """Read the blocks of the request's prompt found on disk after its cached prefix (up
+        to `wanted`) into its blocks, and offer them to the prefix cache as computed."""
+        assert self.offload is not None
+        loaded = self.offload.load(request, request.registered, wanted)
+        if loaded:
+            request.cached += loaded * self.allocator.block_size
+            self._register(request)
 
     def _another_adapter(self, request: Request, admitted: list[Request]) -> bool:
         """Whether `request` would bring a LoRA adapter past --max-loras in a step."""
@@ -376,6 +396,11 @@ class Scheduler:
             keys = request.block_keys(full, size)
             if self.events is not None:
                 self._register_told(request, keys, full)
+            elif self.offload is not None:  # the blocks' hashes, for the disk
+                hashes = self.offload.hasher.hashes(request, full)
+                for i in range(request.registered, full):
+                    if self.allocator.register(request.blocks[i], keys[i]):
+                        self.allocator.hashed(request.blocks[i], hashes[i])
             else:
                 for i in range(request.registered, full):
                     self.allocator.register(request.blocks[i], keys[i])

@@ -24,13 +24,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from predictor.observability.statistics import InferenceStatistics
 from predictor.observability.tenants import NO_TENANT
 
 if TYPE_CHECKING:  # annotations only
+    from predictor.engine.kv_disk import Counts
     from predictor.engine.step import StepStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -246,6 +247,10 @@ class Metrics:
         names = [LORA_INFO] + ([VLLM_LORA_INFO] if self._vllm_aliases else [])
         self._registry.register(_LoraInfo(names, read))
 
+    def track_kv_offload(self, counts: Callable[[], Counts], used: Callable[[], int]) -> None:
+        """The disk cache's counters and size (--kv-offload-dir), read at each scrape."""
+        self._registry.register(_KVOffload(self.model_name, counts, used))
+
     def track_kv_cache(self, usage: Callable[[], float]) -> None:
         """`usage`: the fraction of the KV-cache budget in use now, read at each scrape."""
         self._track(self.kv_cache_usage, "predictor_kv_cache_usage_ratio", usage)
@@ -332,3 +337,36 @@ class _LoraInfo(Collector):
             )
             family.add_metric(values, time.time())
             yield family
+
+
+class _KVOffload(Collector):
+    """predictor_kv_offload_blocks_total{event}: blocks the disk cache stored, loaded (read
+    back instead of computed), dropped (its writer's queue was full), rejected (a file failed
+    its checks: corrupt, truncated, another model's; never served) and evicted (past
+    --kv-offload-size); predictor_kv_offload_bytes: its files' size now."""
+
+    EVENTS = ("stored", "loaded", "dropped", "rejected", "evicted")
+
+    def __init__(self, model: str, counts: Callable[[], Counts], used: Callable[[], int]) -> None:
+        self._model = model
+        self._counts = counts
+        self._used = used
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        blocks = CounterMetricFamily(
+            "predictor_kv_offload_blocks",
+            "KV-cache blocks the disk cache (--kv-offload-dir) stored, loaded instead of "
+            "computing them, dropped (its writer's queue full), rejected (a file failed its "
+            "checks; never served) and evicted (past --kv-offload-size).",
+            labels=["model", "event"],
+        )
+        for event in self.EVENTS:
+            blocks.add_metric([self._model, event], getattr(counts, event))
+        yield blocks
+        size = GaugeMetricFamily(
+            "predictor_kv_offload_bytes", "Bytes of the disk cache's block files now.",
+            labels=["model"],
+        )  # fmt: skip
+        size.add_metric([self._model], self._used())
+        yield size

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from predictor.config import ATTENTION, FUSED_KERNELS
-from predictor.engine.runners import autotune, lora_tune, memory, torch_attention
+from predictor.engine.runners import autotune, kv_blocks, lora_tune, memory, torch_attention
 from predictor.engine.runners.dense_linear import prepack_layer
 from predictor.engine.runners.family import family
 from predictor.engine.runners.int4_codes import release_repack_tables
@@ -303,6 +303,24 @@ class ModelRunner:
         advised = memory.release_mapped_weights()
         memory.trim_heap()
         logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
+
+    # -- the disk cache's copies (engine/kv_offload.py's BlockCopies) -------------------------
+    def kv_layout(self) -> dict[str, Any]:
+        pool = self._pools[0]
+        return {"dtype": str(pool.dtype), "layers": len(self._pools), "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "block_size": self.block_size,
+                "code": kv_blocks.code_digest()}  # fmt: skip
+
+    def kv_block_bytes(self) -> int:
+        return kv_blocks.block_bytes(self._pools, self.block_size)
+
+    @torch.inference_mode()
+    def read_blocks(self, blocks: Sequence[int]) -> bytes:
+        return kv_blocks.read_blocks(self._pools, blocks, self.block_size)
+
+    @torch.inference_mode()
+    def write_blocks(self, blocks: Sequence[int], data: memoryview) -> None:
+        kv_blocks.write_blocks(self._pools, blocks, self.block_size, data)
 
     @torch.inference_mode()
     def step_cost(self, fed: int, logit_rows: int) -> float | None:
