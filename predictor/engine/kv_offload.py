@@ -56,7 +56,7 @@ class BlockCopies(Protocol):
 
     def kv_block_bytes(self) -> int: ...
 
-    def read_blocks(self, blocks: Sequence[int]) -> bytes:
+    def read_blocks(self, blocks: Sequence[int]) -> memoryview:
         """The blocks' payloads, back to back."""
         ...
 
@@ -152,7 +152,7 @@ class Offload:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        data = memoryview(self.copies.read_blocks([block for block, _ in pending]))
+        data = self.copies.read_blocks([block for block, _ in pending])
         size = self._payload
         for i, (_, key) in enumerate(pending):
             self.store.put(key, data[i * size : (i + 1) * size])
@@ -165,7 +165,7 @@ class Offload:
         size, queued = self._payload, 0
         for start in range(0, len(todo), 64):
             chunk = todo[start : start + 64]
-            data = memoryview(self.copies.read_blocks([b for b, _ in chunk]))
+            data = self.copies.read_blocks([b for b, _ in chunk])
             for i, (_, key) in enumerate(chunk):
                 queued += self.store.put_waiting(key, data[i * size : (i + 1) * size], timeout)
         self.store.close(timeout)

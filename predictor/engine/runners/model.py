@@ -315,7 +315,7 @@ class ModelRunner:
         return kv_blocks.block_bytes(self._pools, self.block_size)
 
     @torch.inference_mode()
-    def read_blocks(self, blocks: Sequence[int]) -> bytes:
+    def read_blocks(self, blocks: Sequence[int]) -> memoryview:
         return kv_blocks.read_blocks(self._pools, blocks, self.block_size)
 
     @torch.inference_mode()
