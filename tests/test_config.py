@@ -407,6 +407,19 @@ def test_kv_events_need_the_prefix_cache_and_a_known_hash() -> None:
         Settings.from_sources([*on, "--prefix-caching-hash-algo", "xxhash"], {})
 
 
+def test_the_disk_prefix_cache_is_off_by_default_and_checked() -> None:
+    assert Settings.from_sources([], {}).kv_offload_dir == ""
+    on = ["--kv-offload-dir", "/var/cache/kv"]
+    s = Settings.from_sources([*on, "--kv-offload-size", "0.5"], {})
+    assert (s.kv_offload_dir, s.kv_offload_size) == ("/var/cache/kv", 0.5)
+    env = {"PREDICTOR_KV_OFFLOAD_DIR": "/d", "PREDICTOR_KV_OFFLOAD_SIZE": "2"}
+    assert Settings.from_sources([], env).kv_offload_size == 2.0
+    for bad in (["--kv-offload-size", "0"], ["--no-enable-prefix-caching"],
+                ["--prefix-caching-hash-algo", "builtin"]):  # fmt: skip
+        with pytest.raises(ValueError, match="--kv-offload-dir needs"):
+            Settings.from_sources([*on, *bad], {})
+
+
 def test_tool_call_parser_takes_the_served_formats_by_vllms_names() -> None:
     from predictor.engine import tool_formats
 
