@@ -27,6 +27,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -253,7 +254,9 @@ class BlockStore:
             path.unlink()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Write what is queued (up to `timeout` seconds), then stop the writer."""
+        """Write what is queued (up to `timeout` seconds in all), then stop the writer; a
+        write cut short leaves a temporary file the next start removes."""
+        deadline = time.monotonic() + timeout
         with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=timeout)
-        self._writer.join(timeout)
+            self._queue.put(None, timeout=max(0.0, timeout))
+        self._writer.join(max(0.0, deadline - time.monotonic()))

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -158,8 +159,10 @@ class Offload:
             self.store.put(key, data[i * size : (i + 1) * size])
 
     def save(self, cached: Sequence[tuple[int, BlockHash]], timeout: float) -> int:
-        """At shutdown (no step runs): write every cached block not on disk yet, waiting for
-        the writer up to `timeout` seconds in all; how many were queued."""
+        """At shutdown (no step runs): write every cached block not on disk yet (least
+        recently used first, the disk's order), waiting for the writer up to `timeout` seconds
+        in all (what is left then is dropped); how many were queued."""
+        deadline = time.monotonic() + timeout
         todo = [(b, key_bytes(h)) for b, h in cached]
         todo = [(b, k) for b, k in todo if not self.store.known(k)]
         size, queued = self._payload, 0
@@ -167,8 +170,9 @@ class Offload:
             chunk = todo[start : start + 64]
             data = self.copies.read_blocks([b for b, _ in chunk])
             for i, (_, key) in enumerate(chunk):
-                queued += self.store.put_waiting(key, data[i * size : (i + 1) * size], timeout)
-        self.store.close(timeout)
+                left = deadline - time.monotonic()
+                queued += self.store.put_waiting(key, data[i * size : (i + 1) * size], left)
+        self.store.close(max(0.0, deadline - time.monotonic()))
         return queued
 
     # -- in -------------------------------------------------------------------------------------
