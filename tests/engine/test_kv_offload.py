@@ -14,7 +14,13 @@ import pytest
 
 from predictor.engine.kv_cache import BlockAllocator
 from predictor.engine.kv_disk import HEADER, BlockStore, key_bytes
-from predictor.engine.kv_events import BlockHasher
+from predictor.engine.kv_events import (
+    BlockHasher,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Recorder,
+)
 from predictor.engine.kv_offload import Offload
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step_loop import StepLoop
@@ -191,3 +197,34 @@ def test_a_full_queue_drops_instead_of_waiting(tmp_path: Path) -> None:
     store.close()
     assert store.counts.stored == accepted and store.counts.dropped == 200 - accepted
     assert store.counts.dropped > 0
+
+
+def test_files_are_named_by_the_events_hashes_and_salted_apart(
+    tiny_dense: Tiny, model_dir: Path, tmp_path: Path
+) -> None:
+    batches: list[KVEventBatch] = []
+    recorder = Recorder(batches.append, SIZE, "sha256_cbor", seed="0")
+    runner = tiny_dense.runner(num_blocks=BLOCKS, block_size=SIZE)
+    offload = Offload.open(tmp_path, 1 << 30, model_dir, recorder.hasher, runner)
+    allocator = BlockAllocator(BLOCKS, SIZE, evictions=recorder, spill=offload)
+    scheduler = Scheduler(4, 64, allocator, max_step_tokens=64, events=recorder, offload=offload)
+    loop = StepLoop(runner, scheduler, NO_EOS)
+    salted, sink = make_sequence(tiny_dense.tokenizer, PROMPT, SamplingParams(max_tokens=6))
+    salted.cache_salt = "tenant-a"
+    drive(loop, {0: [salted]}, [sink])
+    run(loop, tiny_dense, OTHER, 1)
+    written(loop, 11)
+    stored = [h for b in batches for e in b.events if isinstance(e, BlockStored)
+              for h in e.block_hashes]  # fmt: skip
+    removed = [h for b in batches for e in b.events if isinstance(e, BlockRemoved)
+               for h in e.block_hashes]  # fmt: skip
+    names = {int(p.stem[-16:], 16) for p in offload.store.folder.glob("*.kv")}
+    assert len(removed) == 11 and set(removed) <= set(stored)
+    assert names == set(removed)  # each evicted block's file: the hash its events carried
+    # the same tokens without the salt, or with another, find none of them
+    _, cached = run(loop, tiny_dense, PROMPT)
+    assert cached == 0
+    again, sink = make_sequence(tiny_dense.tokenizer, PROMPT, SamplingParams(max_tokens=6))
+    again.cache_salt = "tenant-a"
+    drive(loop, {0: [again]}, [sink])
+    assert again.cached_prompt_tokens == 40
