@@ -26,10 +26,12 @@ from predictor.engine.kv_events import BlockHasher, Recorder
 from predictor.engine.kv_offload import ROOT_SEED, Offload
 from predictor.engine.kv_publisher import ZmqPublisher
 from predictor.engine.reasoning import choose_format
+from predictor.engine.runners.memory import trim_heap
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.runners.native import build_matmuls_in_background, library_cache
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.scheduler import Scheduler
+from predictor.engine.sleep import Sleep
 from predictor.engine.speculation import Policy, Proposer, SpeculationConfig
 from predictor.engine.step import Runner
 from predictor.engine.step_loop import StepLoop
@@ -75,10 +77,12 @@ def build_engine(
     metrics: Metrics,
     on_prepared: Callable[[], None] | None = None,
     invariant: bool = True,
+    model_dir: Path | None = None,
 ) -> AsyncEngine:
     """Runner, scheduler and step loop behind the asyncio front. `invariant`: always, but for
     load/bench_invariance.py's baseline (a request's tokens independent of its batch: the CPU
-    runner's `batch_invariant`)."""
+    runner's `batch_invariant`). `model_dir`: where the checkpoint is read again after a sleep
+    (--sleep-idle-seconds, --enable-sleep-mode; without it the engine never sleeps)."""
     publisher, events = _kv_events(settings, metrics)
     allocator = BlockAllocator(
         blocks_for(settings.max_cache_tokens, settings.kv_block_size),
@@ -92,28 +96,19 @@ def build_engine(
     elif loaded.device.type == "cuda":
         runner = _cuda_runner(loaded, settings, allocator)
     else:
-        try:
-            runner = ModelRunner(  # UnsupportedModel is a CheckpointError
-                loaded.model,
-                loaded.device,
-                allocator.num_blocks,
-                allocator.block_size,
-                threads=settings.torch_threads,
-                attention=settings.attention,
-                kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
-                autotune_cache=settings.autotune_dir,
-                release_model_weights=True,  # only the runner runs the served model
-                batch_invariant=invariant,
-                copies_after_ready=True,  # ready sooner; many-row steps at speed soon after
-                lora=bool(settings.lora_modules or settings.allow_runtime_lora),
-            )
-        except ValueError as exc:  # a forced kernel this CPU cannot run
-            raise CheckpointError(str(exc)) from exc
+        runner = _cpu_runner(loaded.model, loaded.device, settings, allocator, invariant)
     offload = _kv_offload(settings, runner, allocator, events, metrics)
+    sleep = _sleep(settings, loaded, allocator, invariant, model_dir, offload)
     speculation = None
     if settings.speculative != "off":
         config = SpeculationConfig(settings.speculative, settings.num_speculative_tokens)
-        speculation = (Proposer(config), Policy(getattr(runner, "step_cost", None)))
+        cost = None
+        if hasattr(runner, "step_cost"):  # the runner of the moment's (a sleep replaces it)
+
+            def cost(fed: int, rows: int) -> float | None:
+                return getattr(step_loop.runner, "step_cost", lambda *_: None)(fed, rows)
+
+        speculation = (Proposer(config), Policy(cost))
     scheduler = Scheduler(
         settings.max_batch_size,
         settings.max_waiting,
@@ -125,10 +120,10 @@ def build_engine(
         events=events,
         offload=offload,
     )
-    step_loop = StepLoop(
-        runner, scheduler, loaded.eos_ids, on_prepared=on_prepared, vocab=len(loaded.tokenizer)
-    )
-    adapters = _adapters(settings, runner, step_loop.run_chore)
+    step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared,
+                         vocab=len(loaded.tokenizer), sleep=sleep)  # fmt: skip
+    # LoRA adapters are the runner's, which a sleep drops: a sleeping engine serves none
+    adapters = None if sleep is not None else _adapters(settings, runner, step_loop.run_chore)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, settings.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
     # kv_cache_usage_perc); one integer read at each scrape, never blocking the step loop
@@ -208,6 +203,83 @@ def _on_stop(
             log.info("KV disk cache: %d cached blocks saved at shutdown", saved)
 
     return stop
+
+
+def _cpu_runner(
+    model: Any, device: Any, settings: Settings, allocator: BlockAllocator, invariant: bool
+) -> ModelRunner:
+    """The CPU runner of `model` (at the start, and again at each wake from a sleep)."""
+    try:
+        return ModelRunner(  # UnsupportedModel is a CheckpointError
+            model,
+            device,
+            allocator.num_blocks,
+            allocator.block_size,
+            threads=settings.torch_threads,
+            attention=settings.attention,
+            kernel=settings.kernel if settings.kernel in FUSED_KERNELS else "auto",
+            autotune_cache=settings.autotune_dir,
+            release_model_weights=True,  # only the runner runs the served model
+            batch_invariant=invariant,
+            copies_after_ready=True,  # ready sooner; many-row steps at speed soon after
+            lora=bool(settings.lora_modules or settings.allow_runtime_lora),
+        )
+    except ValueError as exc:  # a forced kernel this CPU cannot run
+        raise CheckpointError(str(exc)) from exc
+
+
+def _sleep(
+    settings: Settings,
+    loaded: LoadedModel,
+    allocator: BlockAllocator,
+    invariant: bool,
+    model_dir: Path | None,
+    offload: Offload | None,
+) -> Sleep | None:
+    """How the engine sleeps, where --sleep-idle-seconds or --enable-sleep-mode ask it to: a
+    wake reads the checkpoint again (from the page cache, mostly) and builds the runner as the
+    start did, its kernels' choices, libraries and layouts from the autotune's cache. With the
+    disk cache, the prefix cache's blocks are saved before the sleep empties it (the wake finds
+    them there) and the disk cache copies from the new runner's pools."""
+    if model_dir is None or not (settings.sleep_idle_seconds > 0 or settings.enable_sleep_mode):
+        return None
+    if settings.runner != "null" and loaded.device.type == "cuda":
+        raise CheckpointError("sleep frees the CPU runner's model: not on a GPU "
+                              "(--sleep-idle-seconds, --enable-sleep-mode)")  # fmt: skip
+    vocab = len(loaded.tokenizer)
+
+    def reload() -> Runner:
+        if settings.runner == "null":
+            return NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
+        again = load_checkpoint(
+            model_dir, settings.device, threads=settings.torch_threads, kernel=settings.kernel
+        )
+        runner = _cpu_runner(again.model, again.device, settings, allocator, invariant)
+        if offload is not None:
+            offload.copies = runner
+        return runner
+
+    def keep() -> None:
+        if offload is not None:
+            saved = offload.save(allocator.cached_blocks(), timeout=OFFLOAD_SAVE_SECONDS)
+            log.info("KV disk cache: %d cached blocks saved before the sleep", saved)
+
+    return Sleep(reload, _free_runner, _release_memory, settings.sleep_idle_seconds, keep)
+
+
+def _free_runner(runner: Runner) -> None:
+    if isinstance(runner, ModelRunner):
+        runner.free()
+
+
+def _release_memory() -> None:
+    """What a sleep dropped, back to the system: the model and runner were frozen out of the
+    collector's sight at the start (`main`), so what only cycles keep is found by unfreezing
+    once; then the heap's free pages go (glibc's malloc_trim)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    trim_heap()
 
 
 def _kv_events(settings: Settings, metrics: Metrics) -> tuple[ZmqPublisher | None, Recorder | None]:
@@ -366,8 +438,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics(REGISTRY, name, vllm_aliases=settings.vllm_metric_aliases)
     observer = build_observer(settings, metrics)
     try:
-        engine = build_engine(loaded, settings, metrics, startup.ready)
+        engine = build_engine(loaded, settings, metrics, startup.ready, model_dir=model_dir)
         startup.mark("engine")
+        loaded = replace(loaded, model=None)  # the runner's now: a sleep must free it
     except (CheckpointError, OSError) as exc:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
@@ -385,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"predictor: the model, its other names and the LoRA adapters are named {names}: "
               "each name once", file=sys.stderr)  # fmt: skip
         return 2
+    metrics.track_sleeping(engine.is_sleeping)
     count_errors(metrics.observe_error)
     for model in (predictor, *adapters):
         model.load()

@@ -155,6 +155,10 @@ class Settings:
     slow_reader_grace: float = 1.0  # seconds a token may wait for room in a full stream queue
     model_control: bool = False  # allow repository load/unload (Triton's explicit mode)
     stall_seconds: float = 120.0  # liveness fails when rows run and no step ends this long
+    # free the model's weights and KV cache after this many idle seconds (0: never), reloaded
+    # for the next request (llama.cpp's flag; engine/sleep.py)
+    sleep_idle_seconds: float = 0.0
+    enable_sleep_mode: bool = False  # serve POST /sleep and /wake_up (vLLM's dev endpoints)
     vllm_metric_aliases: bool = False  # also export the queue/running/KV gauges under vLLM's names
     cuda_graphs: bool = True  # on a GPU: decode steps replay CUDA graphs captured at start
     batch_invariant: bool = True  # accepted, always on: tokens independent of the batch (--help)
@@ -285,8 +289,17 @@ class Settings:
             raise ValueError(
                 "--batch-invariant false: determinism is always on (docs/engine.md, Determinism)"
             )
+        self._check_sleep()
         if self.log_payloads != "off" and not self.payload_logger_url:
             raise ValueError("--log-payloads needs --payload-logger-url (where records go)")
+
+    def _check_sleep(self) -> None:
+        if self.sleep_idle_seconds < 0:
+            raise ValueError("--sleep-idle-seconds must not be negative (0: never)")
+        sleeps = self.sleep_idle_seconds > 0 or self.enable_sleep_mode
+        if sleeps and (self.lora_modules or self.allow_runtime_lora):
+            raise ValueError("--sleep-idle-seconds and --enable-sleep-mode serve no LoRA "
+                             "adapters (--lora-modules, --allow-runtime-lora)")  # fmt: skip
 
 
 _HELP = {
@@ -408,6 +421,12 @@ _HELP = {
     "(off: 403 / PERMISSION_DENIED, as Triton's --model-control-mode none)",
     "stall_seconds": "liveness fails when requests are running and no engine step has ended "
     "for this long (a hung kernel), or the step thread died",
+    "sleep_idle_seconds": "after this many seconds with no request running or waiting, free "
+    "the model's weights and KV cache (the prefix cache emptied; AllBlocksCleared where KV "
+    "events are on) and load them again for the next request, which waits for it (llama.cpp's "
+    "flag; readiness stays true; 0: never; docs/deployment.md, Sleep)",
+    "enable_sleep_mode": "serve POST /sleep (?level=1 or 2: both free weights and KV cache) "
+    "and POST /wake_up, vLLM's dev endpoints (off: 403); GET /is_sleeping is always served",
     "vllm_metric_aliases": "also export the waiting, running and KV-cache gauges under vLLM's "
     "names (vllm:num_requests_waiting, ...) for endpoint pickers and dashboards that expect them",
     "hf_home": "Hugging Face cache folder (HF_HOME) used while loading",

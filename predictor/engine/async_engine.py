@@ -108,6 +108,26 @@ class AsyncEngine:
         while a row holds blocks."""
         return await asyncio.to_thread(self._loop.reset_prefix_cache)
 
+    async def sleep(self) -> None:
+        """Free the model's weights and KV cache now (vLLM's POST /sleep); the running requests
+        are recomputed once the engine wakes, which a waiting or new request does at once
+        (InvalidRequest where this engine cannot sleep)."""
+        if not await asyncio.to_thread(self._loop.sleep):
+            raise InvalidRequest(
+                "this server cannot sleep: sleep frees the CPU runner's model and serves no "
+                "LoRA adapters (docs/deployment.md, Sleep)"
+            )
+
+    async def wake_up(self) -> None:
+        """Load the model again now if it sleeps (vLLM's POST /wake_up); EngineUnavailable
+        where it cannot be loaded."""
+        if not await asyncio.to_thread(self._loop.wake_up):
+            raise EngineUnavailable("the model could not be loaded again; the log says why")
+
+    def is_sleeping(self) -> bool:
+        """Whether the model's weights and KV cache are freed now (vLLM's GET /is_sleeping)."""
+        return self._loop.sleeping()
+
     def live(self) -> bool:
         """False when the step thread died without being stopped, or rows are running and no
         step has completed for `stall_seconds` (a hung kernel): the process should restart."""

@@ -98,6 +98,19 @@ class EngineClient(Protocol):
         """Forget every cached prefix; False (nothing done) while a row holds blocks."""
         ...
 
+    async def sleep(self) -> None:
+        """Free the model's weights and KV cache; the next request loads them again
+        (InvalidRequest where the engine cannot sleep)."""
+        ...
+
+    async def wake_up(self) -> None:
+        """Load the model again now if it sleeps (EngineUnavailable where it cannot)."""
+        ...
+
+    def is_sleeping(self) -> bool:
+        """Whether the model's weights and KV cache are freed now."""
+        ...
+
 
 def failure(event: TokenEvent) -> PredictorError:
     """The error a failed request's final event stands for: the client's (InvalidRequest, its
@@ -228,3 +241,12 @@ class AdapterClient:
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()
+
+    async def sleep(self) -> None:
+        await self.engine.sleep()
+
+    async def wake_up(self) -> None:
+        await self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()

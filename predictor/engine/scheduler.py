@@ -426,6 +426,14 @@ class Scheduler:
         """Forget every cached prefix: refused (False) while a row holds blocks."""
         return self.allocator.reset()
 
+    def preempt_all(self) -> list[Request]:
+        """Every running row back to the queue, its blocks freed (the engine falls asleep):
+        readmitted, each is recomputed as after any preemption."""
+        schedule = Schedule()
+        for request in sorted(self.running, key=order, reverse=True):
+            self._preempt(request, schedule)
+        return schedule.preempted
+
     def remove_finished(self) -> list[Request]:
         """Drop finished rows, their blocks freed; return them."""
         gone = [r for r in self.running if r.finish_reason is not None]

@@ -68,3 +68,7 @@ class StepStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: tuple[int, ...] = ()
+    # sleep (engine/sleep.py): why the engine fell asleep after this step ("": it did not),
+    # and the seconds a wake before it took (0: none)
+    slept: str = ""
+    woke: float = 0.0

@@ -8,6 +8,10 @@ code that calls the runner. After each step a listener (the asyncio front) gets 
 
 A preempted row, readmitted, samples on from where it stopped with the same generator, so its
 stream neither repeats nor loses a token.
+
+Sleep (engine/sleep.py): idle for `Sleep.idle_seconds`, or asked (`sleep`), the loop drops its
+runner and the prefix cache between two steps; the next step with work, or `wake_up`, builds
+the runner again first.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from predictor.engine.sampling import (
     select_rows,
 )
 from predictor.engine.scheduler import Schedule, Scheduler
+from predictor.engine.sleep import ASKED, IDLE, Sleep
 from predictor.engine.step import Runner, StepRow, StepStats
 from predictor.types import FinishReason, PromptToken, TokenLogprob, TopLogprob, run_to_end
 
@@ -59,10 +64,14 @@ class StepLoop:
         clock: Callable[[], float] = time.monotonic,
         on_prepared: Callable[[], None] | None = None,
         vocab: int | None = None,
+        sleep: Sleep | None = None,
     ) -> None:
         """`vocab`: the tokenizer's token count. A head may have more rows (Qwen3: 151,936 for
         151,669 tokens): those past it spell no text and are never sampled."""
-        self.runner = runner
+        # None while asleep (`sleep`): read and replaced on the loop's thread only
+        self.runner: Runner | None = runner
+        self._device = runner.device
+        self._sleep = sleep  # how it sleeps and wakes (None: it never sleeps)
         self.scheduler = scheduler
         self._eos_ids = frozenset(eos_ids)
         self._vocab = vocab
@@ -79,6 +88,7 @@ class StepLoop:
         self.prepared = threading.Event()
         self._thread: threading.Thread | None = None
         self._chores = Chores()  # work between steps (run_chore)
+        self._busy_at = clock()  # when a step last ran: the idle time sleep counts from
 
     # -- lifecycle (called from the asyncio side) -------------------------------------------
     def start(self, listener: StepListener | None = None) -> None:
@@ -103,6 +113,14 @@ class StepLoop:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def can_sleep(self) -> bool:
+        return self._sleep is not None
+
+    def sleeping(self) -> bool:
+        """Whether the runner is freed now (any thread: one read)."""
+        return self.runner is None
+
     def notify(self) -> None:
         self._wake.set()
 
@@ -126,8 +144,9 @@ class StepLoop:
 
     # -- the loop ---------------------------------------------------------------------------
     def _run(self) -> None:
+        assert self.runner is not None
         self.runner.bind_thread()
-        self.last_progress = self._clock()
+        self.last_progress = self._busy_at = self._clock()
         self.prepared.set()
         if self._on_prepared is not None:
             self._on_prepared()
@@ -135,10 +154,14 @@ class StepLoop:
             if self._chores:
                 self._chores.run_slice()
             if not self.scheduler.running and not self.scheduler.waiting():
+                if self._idle_too_long():
+                    self._fall_asleep(IDLE)
                 if not self._chores:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                 self.last_progress = self._clock()
+                continue
+            if self.runner is None and not self._reload():
                 continue
             try:
                 stats = self.step()
@@ -146,7 +169,7 @@ class StepLoop:
                 log.exception("engine step failed")
                 self._fail_all("engine step failed")
                 stats = self._stats(Schedule())
-            self.last_progress = self._clock()
+            self.last_progress = self._busy_at = self._clock()
             self._tell(stats)
         self._fail_all("engine stopped")
         self._chores.fail_all("engine stopped")  # their callers wait: they are told
@@ -188,8 +211,87 @@ class StepLoop:
 
         return bool(self.run_chore(reset()))
 
+    def sleep(self) -> bool:
+        """Fall asleep between two steps (blocks the calling thread): the running rows go back
+        to the queue, so a request waiting or arriving wakes the engine again at once. False
+        where it cannot sleep (no `Sleep`); True once asleep, or where it was already."""
+        if self._sleep is None:
+            return False
+
+        def fall_asleep() -> Chore:
+            if self.runner is not None:
+                self._fall_asleep(ASKED)
+            return True
+            yield  # a chore: a generator of one slice
+
+        return bool(self.run_chore(fall_asleep()))
+
+    def wake_up(self) -> bool:
+        """Build the runner again now, between two steps, if it sleeps (blocks the calling
+        thread); False where the model could not be loaded (the log says why)."""
+
+        def wake() -> Chore:
+            return self.runner is not None or self._reload()
+            yield  # a chore: a generator of one slice
+
+        return bool(self.run_chore(wake()))
+
+    def _idle_too_long(self) -> bool:
+        """Awake, with nothing to do for --sleep-idle-seconds."""
+        idle_for = self._clock() - self._busy_at
+        return self._sleep is not None and self.runner is not None and self._sleep.due(idle_for)
+
+    def _fall_asleep(self, reason: str) -> None:
+        """Drop the runner and everything the KV cache held (its blocks are the runner's
+        pools): the running rows preempted, the prefix cache emptied (AllBlocksCleared)."""
+        assert self._sleep is not None
+        started = time.perf_counter()
+        suspended = self.scheduler.preempt_all()
+        now = self._clock()
+        for request in suspended:
+            request.preempted_at.append(now)
+        self._sleep.keep()  # before the cached blocks go
+        self.scheduler.reset_prefix_cache()  # no row holds a block now: always done
+        if self.scheduler.events is not None:
+            self.scheduler.events.flush()
+        runner, self.runner = self.runner, None
+        assert runner is not None
+        self._sleep.free(runner)
+        del runner  # the last reference: the collector finds what only cycles hold
+        self._sleep.release()
+        log.info("asleep (%s): the model and its KV cache freed in %.2f s, %d rows to recompute",
+                 reason, time.perf_counter() - started, len(suspended))  # fmt: skip
+        self._tell(self._stats(Schedule(preempted=suspended), slept=reason))
+
+    def _reload(self) -> bool:
+        """Build and bind the runner again (the requests meanwhile wait in the queue); where
+        that fails, the waiting requests fail with the reason and the engine stays asleep (the
+        next request tries again)."""
+        assert self._sleep is not None
+        started = time.perf_counter()
+        try:
+            runner = self._sleep.reload()
+            runner.bind_thread()
+        except Exception:
+            log.exception("waking up: the model could not be loaded again")
+            for request in self.scheduler.drain():
+                request.finish(FinishReason.ERROR, error="the model could not be loaded again")
+            self._busy_at = self._clock()
+            self._tell(self._stats(Schedule()))
+            return False
+        self.runner = runner
+        woke = time.perf_counter() - started
+        log.info("awake: the model loaded again in %.2f s", woke)
+        self._tell(self._stats(Schedule(), woke=woke))
+        return True
+
     def _stats(
-        self, schedule: Schedule, sampled: int = 0, verified: Verified | None = None
+        self,
+        schedule: Schedule,
+        sampled: int = 0,
+        verified: Verified | None = None,
+        slept: str = "",
+        woke: float = 0.0,
     ) -> StepStats:
         verified = verified or Verified()
         first = [r for r in schedule.admitted + schedule.echoed if r.scheduled is not None]
@@ -208,6 +310,8 @@ class StepLoop:
             draft_tokens=verified.drafts,
             accepted_tokens=sum(verified.accepted),
             accepted_per_position=verified.per_position,
+            slept=slept,
+            woke=woke,
         )
 
     def _retire(self) -> None:
@@ -233,7 +337,7 @@ class StepLoop:
             request.preempted_at.append(now)
         for request in schedule.admitted:
             try:
-                request.generator = make_generator(request.params.seed, self.runner.device)
+                request.generator = make_generator(request.params.seed, self._device)
             except Exception:
                 log.exception("admitting request %s failed", request.request_id)
                 request.finish(FinishReason.ERROR, error="the request could not be admitted")
@@ -248,6 +352,7 @@ class StepLoop:
     def _forward(self, schedule: Schedule) -> tuple[int, Verified]:
         """Run the step's rows; score, sample and advance them, verify drafts, book the cache.
         Returns the rows sampled and what the drafts came to."""
+        assert self.runner is not None  # woken before any step (_run)
         try:
             logits = self.runner.forward(schedule.rows)
         except Exception:  # the detail goes to the log, a short message to the clients

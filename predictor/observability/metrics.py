@@ -3,9 +3,9 @@
 Served on KServe's `/metrics` (the default registry) by `python -m predictor`; tests pass their
 own registry. REST and gRPC, unary and streaming, are counted alike: each path's event stream
 passes through `observability/observer.py`, which feeds the request collectors here; the step
-loop feeds the batch, queue, prefix-cache and preemption ones; `serving/errors.py` counts every
-error it renders (`observe_error`). Token and request counters carry a `tenant` label (bounded:
-`observability/tenants.py`), so usage per team is one query.
+loop feeds the batch, queue, prefix-cache, preemption and sleep ones; `serving/errors.py` counts
+every error it renders (`observe_error`). Token and request counters carry a `tenant` label
+(bounded: `observability/tenants.py`), so usage per team is one query.
 
 The queue, running and KV-cache gauges are what KEDA and the Gateway API Inference Extension's
 endpoint picker read; with `vllm_aliases` they are also exported under vLLM's names
@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # annotations only
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+_WAKE_BUCKETS = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128)
 
 
@@ -135,6 +136,25 @@ class Metrics:
             "KV-cache event batches dropped (--kv-events-config): the publisher's queue "
             "(max_queue_size) was full, so a step's batch never went out.", registry=registry,
         )  # fmt: skip
+        self.sleeps = Counter(
+            "predictor_sleeps",
+            "Times the engine freed the model's weights and KV cache, by reason (idle: "
+            "--sleep-idle-seconds; asked: POST /sleep).", ["model", "reason"], registry=registry,
+        )  # fmt: skip
+        self.wake_ups = Counter(
+            "predictor_wake_ups",
+            "Times the engine loaded the model again after a sleep (a request or POST /wake_up "
+            "waited for it).", labels, registry=registry,
+        )  # fmt: skip
+        self.wake_time = Histogram(
+            "predictor_wake_up_seconds", "Time a wake from a sleep took (the model loaded "
+            "again, its kernels bound), which the requests waiting then waited.",
+            labels, registry=registry, buckets=_WAKE_BUCKETS,
+        )  # fmt: skip
+        self.sleeping = Gauge(
+            "predictor_sleeping", "1 while the model's weights and KV cache are freed (asleep).",
+            labels, registry=registry,
+        )  # fmt: skip
         self.running = Gauge(
             "predictor_num_requests_running", "Requests holding a batch row.", labels,
             registry=registry,
@@ -213,7 +233,7 @@ class Metrics:
         for collector in (
             self.prefix_cache_queries, self.prefix_cache_hits, self.preemptions, self.ttft,
             self.tpot, self.e2e, self.queue_time, self.batch_size, self.spec_drafts,
-            self.spec_draft_tokens, self.spec_accepted,
+            self.spec_draft_tokens, self.spec_accepted, self.wake_ups, self.wake_time,
         ):  # fmt: skip
             collector.labels(model_name)
         self.prompt_tokens.labels(model_name, NO_TENANT)
@@ -229,6 +249,10 @@ class Metrics:
 
     def track_ready(self, ready: Callable[[], bool]) -> None:
         self.ready.labels(self.model_name).set_function(lambda: float(ready()))
+
+    def track_sleeping(self, sleeping: Callable[[], bool]) -> None:
+        """`sleeping`: whether the engine is asleep now, read at each scrape."""
+        self.sleeping.labels(self.model_name).set_function(lambda: float(sleeping()))
 
     def observe_error(self, api: str, reason: str) -> None:
         """Called by `serving/errors.py` for each error it renders."""
@@ -272,6 +296,11 @@ class Metrics:
             self.observe_prefix_cache(queried, hits)
         for _ in range(stats.preemptions):
             self.observe_preemption()
+        if stats.slept:
+            self.sleeps.labels(self.model_name, stats.slept).inc()
+        if stats.woke:
+            self.wake_ups.labels(self.model_name).inc()
+            self.wake_time.labels(self.model_name).observe(stats.woke)
         if stats.draft_rows:
             self._count(self.spec_drafts, "predictor_spec_decode_num_drafts", stats.draft_rows)
             self._count(self.spec_draft_tokens, "predictor_spec_decode_num_draft_tokens",

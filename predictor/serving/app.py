@@ -29,7 +29,7 @@ from predictor.serving.errors import v2_response
 from predictor.serving.lifecycle import Drain, PredictorDataPlane
 from predictor.serving.model import AdapterPredictor, LLMPredictor
 from predictor.serving.probe_logs import quiet_probes
-from predictor.serving.rest import completions, health, lora, messages, oip, prefix_cache
+from predictor.serving.rest import completions, health, lora, messages, oip, prefix_cache, sleep
 from predictor.serving.rest.body import BodyGuard
 from predictor.serving.rest.meta import RequestMetaBinder
 from predictor.serving.rest.triton_admin import build_triton_router
@@ -171,6 +171,15 @@ class PredictorServer(ModelServer):
     async def _reset_prefix_cache(self) -> bool:
         return await self._base_model().llm.reset_prefix_cache()
 
+    async def _sleep(self) -> None:
+        await self._base_model().llm.sleep()
+
+    async def _wake_up(self) -> None:
+        await self._base_model().llm.wake_up()
+
+    def _sleeping(self) -> bool:
+        return self._base_model().llm.is_sleeping()
+
     def _base_model(self) -> LLMPredictor:
         """The model the adapters adapt (the one that runs the engine)."""
         for model in self.served_models():
@@ -232,6 +241,9 @@ class PredictorServer(ModelServer):
                     settings.allow_runtime_lora, self._load_adapter, self._unload_adapter
                 ),
                 prefix_cache.build_router(self._reset_prefix_cache),
+                sleep.build_router(
+                    settings.enable_sleep_mode, self._sleep, self._wake_up, self._sleeping
+                ),
             ],
             handlers=handlers,
         )

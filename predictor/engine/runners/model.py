@@ -322,6 +322,17 @@ class ModelRunner:
     def write_blocks(self, blocks: Sequence[int], data: memoryview) -> None:
         kv_blocks.write_blocks(self._pools, blocks, self.block_size, data)
 
+    def free(self) -> None:
+        """Before a sleep drops this runner (engine/sleep.py): every tensor of the model emptied
+        and the KV pools let go, so their memory returns even where something else keeps the
+        model object alive (gptqmodel's first import keeps an ImportError's traceback, whose
+        frames hold the first model transformers loaded). Nothing runs on this runner after."""
+        if self._completing is not None:  # the deferred copies read the weights: done first
+            self._completing.join()
+        for module in self.model.modules():
+            memory.empty_tensors(module)
+        self._pools = []
+
     @torch.inference_mode()
     def step_cost(self, fed: int, logit_rows: int) -> float | None:
         """What the autotune measured a step of `fed` tokens (`logit_rows` rows of logits)

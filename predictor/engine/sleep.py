@@ -1,0 +1,53 @@
+"""Sleep: the model's weights and KV cache freed while the engine is idle, built again for the
+next request (llama.cpp's --sleep-idle-seconds; vLLM's POST /sleep and /wake_up).
+
+The step loop (step_loop.py) owns the state, on its own thread: falling asleep, it puts the
+running rows back in the queue (preempted: recomputed after the wake, the same tokens), empties
+the prefix cache (an AllBlocksCleared event where KV events are on: the blocks are gone), drops
+its runner (the model, its packed kernels' layouts, the KV pools) and calls `release` so the
+pages go back to the system; a request that arrives, or a wake-up, builds the runner again with
+`reload` and binds it to the thread (the kernels' choices and libraries read back from the
+autotune's cache, never measured again) before the next step. Requests that arrive meanwhile
+wait in the queue; none fails. No torch here: what a runner is made of is `reload`'s business
+(`__main__.py` wires it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from predictor.engine.step import Runner
+
+IDLE = "idle"  # why the engine fell asleep: --sleep-idle-seconds passed with nothing to do
+ASKED = "asked"  # POST /sleep
+
+
+def _nothing() -> None:
+    pass
+
+
+def _keep(_: Runner) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """How a step loop sleeps and wakes."""
+
+    # a new runner for the same model, as the start built it (not yet bound to a thread)
+    reload: Callable[[], Runner]
+    # called with the runner before it is dropped: its tensors emptied, whoever else holds them
+    free: Callable[[Runner], None] = _keep
+    # called once the runner is dropped: the freed memory back to the system (the collector
+    # run, the heap trimmed)
+    release: Callable[[], None] = _nothing
+    # seconds with no request running or waiting before the engine sleeps (0: only when asked)
+    idle_seconds: float = 0.0
+    # called before the prefix cache is emptied, no row holding a block: what should outlive
+    # the sleep is kept (the disk prefix cache saves the cached blocks)
+    keep: Callable[[], None] = _nothing
+
+    def due(self, idle_for: float) -> bool:
+        """Whether an engine idle for `idle_for` seconds should fall asleep now."""
+        return self.idle_seconds > 0 and idle_for >= self.idle_seconds
