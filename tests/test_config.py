@@ -433,3 +433,16 @@ def test_tool_call_parser_takes_the_served_formats_by_vllms_names() -> None:
     # a vLLM deployment's tool flags start this server as they are
     argv = ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
     assert Settings.from_sources(argv, {}).tool_call_parser == "llama3_json"
+
+
+def test_sleep_flags_are_read_and_checked() -> None:
+    settings = Settings.from_sources(["--sleep-idle-seconds", "30", "--enable-sleep-mode"], {})
+    assert settings.sleep_idle_seconds == 30.0 and settings.enable_sleep_mode
+    env = {"PREDICTOR_SLEEP_IDLE_SECONDS": "5"}
+    assert Settings.from_sources([], env).sleep_idle_seconds == 5.0
+    assert Settings().sleep_idle_seconds == 0 and not Settings().enable_sleep_mode
+    with pytest.raises(ValueError, match="negative"):
+        Settings(sleep_idle_seconds=-1).check()
+    for lora in ({"allow_runtime_lora": True}, {"lora_modules": ("a=/tmp/a",)}):
+        with pytest.raises(ValueError, match="LoRA"):
+            Settings(enable_sleep_mode=True, **lora).check()  # type: ignore[arg-type]

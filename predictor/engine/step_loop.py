@@ -280,6 +280,7 @@ class StepLoop:
             self._tell(self._stats(Schedule()))
             return False
         self.runner = runner
+        self._busy_at = self._clock()  # idle from now: a wake with nothing to do sleeps later
         woke = time.perf_counter() - started
         log.info("awake: the model loaded again in %.2f s", woke)
         self._tell(self._stats(Schedule(), woke=woke))
