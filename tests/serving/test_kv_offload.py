@@ -97,3 +97,20 @@ def test_a_smaller_bound_trims_the_folder(tiny_gptq_dir: Path, tmp_path: Path) -
         assert used and float(used[1]) <= 5 * one
         assert offload_metric(server, "evicted") == len(files) - 5
     assert len(list(model_folder.glob("*.kv"))) == 5
+
+
+def test_a_wake_from_sleep_finds_the_prefix_cache_on_disk(
+    tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    """With --enable-sleep-mode, a sleep saves the cached blocks before it empties the cache,
+    and the woken runner reads them back: the long prompt's tokens are cached after the wake."""
+    extra = ["--kv-offload-dir", str(tmp_path / "kv"), "--speculative", "off",
+             "--enable-sleep-mode"]  # fmt: skip
+    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as server:
+        cold = complete(server)
+        assert cached(cold) == 0
+        assert httpx.post(f"{server.base_url}/sleep", timeout=60).status_code == 200
+        woken = complete(server)  # wakes the engine
+        assert woken["choices"][0]["text"] == cold["choices"][0]["text"]
+        assert cached(woken) == CACHED
+        assert offload_metric(server, "loaded") == CACHED // 16
