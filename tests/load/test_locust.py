@@ -164,4 +164,4 @@ def test_a_blocked_exit_ends_after_the_grace_with_the_final_csv(tmp_path: Path) 
     assert "exit still blocked 1 s after shutdown" in done.stderr
     with (tmp_path / "b_stats.csv").open(newline="") as handle:
         rows = {r["Name"]: r for r in csv.DictReader(handle)}
-    assert int(rows["tick"]["Request Count"]) >= 2
+    assert int(rows["tick"]["Request Count"]) >= 1  # the final stats (a busy CPU: one tick)
