@@ -49,15 +49,18 @@ PRODUCTS_BUDGET = 2 << 30
 
 
 @contextlib.contextmanager
-def lean_capture() -> Iterator[None]:
-    """Within the block, gptqmodel's GPTQ forwards skip the work described above."""
+def lean_capture() -> Iterator[_Products]:
+    """Within the block, gptqmodel's GPTQ forwards skip the work described above. Yields the
+    products kept: the caller clears them when a layer is done (`_Products.clear`), since no
+    later layer repeats a product of an earlier one."""
     linear = internals.hooked_linear_class()
     bar = internals.progress_bar_class()
     saved = (linear.forward, bar.draw)
-    linear.forward = _lean_forward(saved[0], _Products(PRODUCTS_BUDGET))
+    products = _Products(PRODUCTS_BUDGET)
+    linear.forward = _lean_forward(saved[0], products)
     bar.draw = _not_drawn
     try:
-        yield
+        yield products
     finally:
         linear.forward, bar.draw = saved
 
@@ -183,6 +186,14 @@ class _Products:
             with contextlib.suppress(KeyError, ValueError):
                 weights.products[_kind(oldest.input)].remove(oldest)
                 self._bytes -= _nbytes(oldest)
+
+    def clear(self) -> None:
+        """Forget every product and every Linear seen (a finished layer's modules and their
+        weights are then free to go: gptqmodel offloads them to disk)."""
+        self._weights.clear()
+        self._order.clear()
+        self._last_input = None
+        self._bytes = 0
 
     def _copy(self, input: torch.Tensor) -> torch.Tensor:
         """A copy of `input`: the last one again when the caller passes the same tensor."""
