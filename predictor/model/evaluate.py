@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from predictor.model import reference_cache
+from predictor.model import heap, reference_cache
 from predictor.model.agreement import (
     NEW_TOKENS,
     PROMPTS,
@@ -104,17 +104,25 @@ def load_candidate(
 ) -> Candidate:
     """Load a GPTQ checkpoint, or an fp one in its stored dtype.
 
-    `kernel` "auto" loads a GPTQ checkpoint the way the server does; "fp32" expands its 4-bit
-    weights once into fp32 Linear layers and runs the whole model in fp32, like the fp32
-    reference: the figure then measures the quantization alone, and no bf16 path is taken
-    (AVX2-only CPUs emulate bf16 matmuls, several times slower: predictor/model/precision.py).
+    `kernel` "auto" loads a GPTQ checkpoint the way the server does; "fp32" runs the whole model
+    in fp32 on its dequantized 4-bit weights (on a CPU each Linear's made at its forward,
+    predictor.model.streamed; elsewhere expanded once), like the fp32 reference: the figure
+    then measures the quantization alone, and no bf16 path is taken (AVX2-only CPUs emulate
+    bf16 matmuls, several times slower: predictor/model/precision.py).
     """
     import torch
 
     from predictor.model.loader import load_checkpoint, pick_device
+    from predictor.model.streamed import KERNEL_NAME as STREAMED_KERNEL
+    from predictor.model.streamed import load_streamed
 
     kind = checkpoint_kind(path)
     if kind == "gptq":
+        if kernel == "fp32" and pick_device(device).type == "cpu":
+            # each Linear's fp32 weight made at its forward, not the whole model's held
+            # (predictor.model.streamed: the same numbers as the expansion below)
+            streamed, tokenizer = load_streamed(path, threads)
+            return Candidate(streamed, tokenizer, kind, STREAMED_KERNEL)
         if kernel == "fp32":
             loaded = load_checkpoint(path, device=device, threads=threads, kernel="dequantized")
             fp32 = torch.nn.Module.float(loaded.model)  # transformers' .float() refuses GPTQ
@@ -233,6 +241,7 @@ def evaluate(
         scored_reference, sequences, reference_choices, origin = score_reference(
             reference, settings, threads, say, cache
         )
+        heap.release()  # the reference's pages, before the candidate's are made
     say(f"loading checkpoint {checkpoint}")
     started = time.monotonic()
     loaded = load_candidate(checkpoint, device, threads, kernel)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from predictor.config import usable_cpus
+from predictor.model import phases as phases_
 from predictor.model.builds import (
     QUALITY_FILE,
     accept_rejected,
@@ -42,20 +43,15 @@ from predictor.model.builds import (
     write_report,
 )
 from predictor.model.env import cpu_name, prepare_environment
-from predictor.model.evaluate import (
-    QualityReport,
-    evaluate,
-    format_report,
-)
+from predictor.model.evaluate import QualityReport, format_report
 from predictor.model.precision import CHOICES as DTYPE_CHOICES
 from predictor.model.precision import calibration_dtype
-from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
+from predictor.model.progress import Progress, format_duration, timed_phase
 from predictor.model.recipe import (
     DEFAULT_RECIPE,
     RECIPES,
     Recipe,
     calibration_texts,
-    quantize_checkpoint,
 )
 from predictor.model.source import export_gguf_to_fp32, gguf_location
 from predictor.model.source_build import build_from_source
@@ -179,14 +175,10 @@ def build_default_model(
             f"calibration texts, {dtype} forwards ({why}), {threads} threads ({TYPICAL_MINUTES})"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
-            quantize_checkpoint(
-                fp_out, staged, texts, recipe=recipe, progress=progress, dtype=dtype
-            )
+            phases_.quantize(fp_out, staged, texts, progress, threads, recipe=recipe, dtype=dtype)
         progress.say(f"[model] 3/4 quality against {fp_out} (bar: test ratio <= {max_ratio:.2f})")
         with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
-            report = evaluate(
-                staged, fp_out, threads=threads, progress=evaluation_steps(progress), kernel="fp32"
-            )
+            report = phases_.score(staged, fp_out, progress, threads, kernel="fp32")
         report = gate(report, max_ratio, shown_as=out)
         progress.say(f"[model] 4/4 quality check: {QUALITY_QUESTION!r}")
         with timed_phase(phases, "check", progress, Path(tmp) / "check.log"):

@@ -158,12 +158,24 @@ class LayerEvents:
         self.on_new_layer = on_new_layer
         self.layer: int | None = None
 
-    def subset_event(self, *, layer_idx: int, **event: Any) -> None:
+    def subset_event(
+        self,
+        *,
+        stage: str,
+        layer_idx: int,
+        subset_index: int,
+        subset_total: int,
+        module_names: list[str],
+        **_: object,
+    ) -> None:
         if self.layer is not None and layer_idx != self.layer:
             self.on_new_layer()
         self.layer = layer_idx
-        if self.progress is not None:
-            self.progress.subset_event(layer_idx=layer_idx, **event)
+        if self.progress is not None:  # the plain fields only: a relay pickles them
+            self.progress.subset_event(stage=str(stage), layer_idx=int(layer_idx),
+                                       subset_index=int(subset_index),
+                                       subset_total=int(subset_total),
+                                       module_names=[str(n) for n in module_names])  # fmt: skip
 
 
 def module_losses(log: Any) -> list[dict[str, Any]]:

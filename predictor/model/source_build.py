@@ -1,7 +1,8 @@
 """`python -m predictor.model.quantize --source`: a user's own checkpoint folder or GGUF file
 built into a GPTQ checkpoint: checked in a moment, (a GGUF dequantized first), quantized,
 scored in process and as served, and installed, or kept at OUT.rejected where a gate refuses
-it (builds.py)."""
+it (builds.py). The dequantization, the GPTQ phase and the in-process gate each run in a
+process of their own (phases.py), so the build's peak memory is its largest phase's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from predictor.model import isolated
+from predictor.model import phases as phases_
 from predictor.model.builds import (
     QUALITY_FILE,
     WORST_MODULES,
@@ -22,11 +25,11 @@ from predictor.model.builds import (
     write_report,
 )
 from predictor.model.env import cpu_name
-from predictor.model.evaluate import evaluate, format_report, tokens_available
+from predictor.model.evaluate import format_report, tokens_available
 from predictor.model.gguf_source import export_gguf, is_gguf, read_gguf
 from predictor.model.precision import calibration_dtype
-from predictor.model.progress import Progress, evaluation_steps, format_duration, timed_phase
-from predictor.model.recipe import Recipe, quantize_checkpoint, source_texts
+from predictor.model.progress import Progress, format_duration, timed_phase
+from predictor.model.recipe import Recipe, source_texts
 from predictor.model.source_checks import (
     SERVED_TOKENS,
     check_source,
@@ -66,7 +69,7 @@ def build_from_source(
                 f"{found.file_type}) to a bf16 checkpoint, the build's source"
             )
             with timed_phase(phases, "dequantize", progress, Path(tmp) / "dequantize.log"):
-                export_gguf(source, fp_source)
+                isolated.run(export_gguf, None, threads, path=source, out=fp_source)
         if not templated:
             progress.say(f"[quantize] {source} has no chat template (a base model): the "
                          "agreement prompts are scored as plain text")  # fmt: skip
@@ -80,14 +83,13 @@ def build_from_source(
             f"{dtype} forwards ({why}), {threads} threads"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
-            losses = quantize_checkpoint(fp_source, staged, texts, recipe=recipe,
-                                         progress=progress, dtype=dtype, bits=bits,
-                                         checkpoint_format=checkpoint_format)  # fmt: skip
+            losses = phases_.quantize(fp_source, staged, texts, progress, threads,
+                                      recipe=recipe, dtype=dtype, bits=bits,
+                                      checkpoint_format=checkpoint_format)  # fmt: skip
         progress.say(f"[quantize] 2/3 quality against {source} (bar: test ratio <= {max_ratio})")
         with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
-            report = evaluate(staged, fp_source, threads=threads, kernel="fp32",
-                              max_tokens=tokens_available(fp_source),
-                              progress=evaluation_steps(progress))  # fmt: skip
+            report = phases_.score(staged, fp_source, progress, threads, kernel="fp32",
+                                   max_tokens=tokens_available(fp_source))  # fmt: skip
         report = replace(report, checkpoint=replace(report.checkpoint, path=str(out)))
         if report.reference is not None:  # the GGUF, not the folder it was dequantized to
             report = replace(report, reference=replace(report.reference, path=str(source)))
