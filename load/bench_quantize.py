@@ -1,6 +1,7 @@
 """What `quantize --source` costs at a shape: wall time and peak memory, against the bound.
 
     python -m load.bench_quantize --shape smollm2-135m [--texts 150] [--threads 2] [--keep DIR]
+        [--stop-after-layers N]
 
 A random-weight bf16 Llama source of the shape (load/random_gptq.py's SHAPES, with the default
 model's tokenizer) is written a layer a shard, so writing it never holds more than one layer;
@@ -9,7 +10,11 @@ whole build: GPTQ, the in-process and the served gates), while the RSS of its pr
 sampled every 0.2 s. The bound it is held to (issue 69): 1.5x one decoder layer's weights in
 fp32, plus the calibration activations (the texts' tokens x hidden size x 4 bytes), plus 2 GB.
 Random weights make a meaningless model, so the gates may refuse it (--max-ratio is set out of
-reach): the build's time and memory are what is measured, whatever the verdict.
+reach): the build's time and memory are what is measured, whatever the verdict. Besides
+random_gptq's shapes, "llama-3.1-8b" (Llama-3.1-8B's: 32 layers, hidden 4096, MLP 14336, 8 KV
+heads, an untied 128,256-token head; ~16 GB in bf16 on disk); `--stop-after-layers N` ends a
+build once its GPTQ phase has finished N layers (a shape too slow to build whole in a session:
+the phase's peak is reached in its first layer and stays flat after, load/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ from load.random_gptq import SHAPES, Shape
 from predictor.model.env import cpu_name
 
 REPO = Path(__file__).resolve().parent.parent
+# random_gptq's shapes and the 7B-class one issue 69 sizes the build for (a 24 GB machine)
+BENCH_SHAPES = {
+    **SHAPES,
+    "llama-3.1-8b": Shape(4096, 14336, 32, 32, 8, 128, vocab_size=128256, rope_theta=500000.0,
+                          max_position_embeddings=131072, tie_word_embeddings=False),
+}  # fmt: skip
 TOKENIZER = REPO / "models" / "smollm2-135m-instruct-gptq"
 SAMPLE_SECONDS = 0.2
 
@@ -124,21 +135,31 @@ PHASES = {"dequantizing": "dequantize", "1/3 GPTQ": "gptq", "2/3 quality": "eval
           "3/3 quality as served": "served"}  # fmt: skip
 
 
-def run_sampled(command: list[str], log: Path) -> tuple[int, float, dict[str, float]]:
+def run_sampled(
+    command: list[str], log: Path, stop_at: str | None = None
+) -> tuple[int, float, dict[str, float]]:
     """Run `command`; its exit code, wall seconds and its process tree's peak RSS in bytes in
-    each phase the build prints (and "all")."""
-    started, phase, peaks = time.monotonic(), "start", {"all": 0.0}
+    each phase the build prints, overall ("all") and of the build's own process alone
+    ("builder": the phases' processes are its children). When `stop_at` appears in the log
+    the build is stopped there (its tree terminated; the exit code is then -15)."""
+    started, phase, peaks = time.monotonic(), "start", {"all": 0.0, "builder": 0.0}
     with log.open("w") as out:
         process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
         root = psutil.Process(process.pid)
         while process.poll() is None:
             with contextlib.suppress(psutil.Error):  # a process that ended meanwhile
-                rss = float(sum(_rss(p) for p in (root, *root.children(recursive=True))))
+                tree = (root, *root.children(recursive=True))
+                rss = float(sum(_rss(p) for p in tree))
                 text = log.read_text(errors="replace")
                 phase = next((name for mark, name in reversed(PHASES.items()) if mark in text),
                              phase)  # fmt: skip
                 peaks[phase] = max(peaks.get(phase, 0.0), rss)
                 peaks["all"] = max(peaks["all"], rss)
+                peaks["builder"] = max(peaks["builder"], float(_rss(root)))
+                if stop_at is not None and stop_at in text:
+                    for member in reversed(tree):
+                        with contextlib.suppress(psutil.Error):
+                            member.terminate()
             time.sleep(SAMPLE_SECONDS)
     return process.returncode, time.monotonic() - started, peaks
 
@@ -152,13 +173,19 @@ def _rss(process: psutil.Process) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    parser.add_argument("--shape", choices=sorted(BENCH_SHAPES), default="smollm2-135m")
     parser.add_argument("--texts", type=int, default=150, help="calibration texts (0: all)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--keep", type=Path, help="keep the source and the build here")
+    parser.add_argument(
+        "--stop-after-layers", type=int, help="stop the build once GPTQ has finished N layers"
+    )
     args = parser.parse_args()
-    shape = SHAPES[args.shape]
+    shape = BENCH_SHAPES[args.shape]
+    stop_at = None
+    if args.stop_after_layers:
+        stop_at = f"layer {args.stop_after_layers}/{shape.num_hidden_layers}"
     work = args.keep or Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     try:
         source = work / f"{args.shape}-bf16"
@@ -171,13 +198,14 @@ def main() -> None:
         command = [sys.executable, "-m", "predictor.model.quantize", "--source", str(source),
                    "--out", str(out), "--texts", str(args.texts), "--threads", str(args.threads),
                    "--group-size", str(args.group_size), "--max-ratio", "1000"]  # fmt: skip
-        code, seconds, peaks = run_sampled(command, work / "quantize.log")
+        code, seconds, peaks = run_sampled(command, work / "quantize.log", stop_at)
         peak = peaks["all"]
         terms = bound_bytes(shape, calibration_tokens(args.texts))
         gib = 1024**3
         print(
             f"[bench-quantize] {args.shape} on {cpu_name()}, {args.threads} threads, "
-            f"{args.texts or 'all'} texts: exit {code}, {seconds / 60:.1f} min, peak RSS "
+            f"{args.texts or 'all'} texts: exit {code}"
+            f"{f' (stopped at {stop_at!r})' if stop_at else ''}, {seconds / 60:.1f} min, peak RSS "
             f"{peak / gib:.2f} GiB against the bound {terms['bound'] / gib:.2f} GiB (one layer "
             f"fp32 {terms['layer_fp32'] / gib:.3f} GiB, activations "
             f"{terms['activations'] / gib:.3f} GiB, + 2): "
