@@ -1,8 +1,9 @@
 """`python -m predictor.model.quantize --source`: a user's own checkpoint folder or GGUF file
 built into a GPTQ checkpoint: checked in a moment, (a GGUF dequantized first), quantized,
 scored in process and as served, and installed, or kept at OUT.rejected where a gate refuses
-it (builds.py). The dequantization, the GPTQ phase and the in-process gate each run in a
-process of their own (phases.py), so the build's peak memory is its largest phase's."""
+it (builds.py). The dequantization, the GPTQ phase, the in-process gate and each served
+measurement run in a process of their own (phases.py, isolated.py), so the build's peak
+memory is its largest phase's."""
 
 from __future__ import annotations
 
@@ -109,7 +110,12 @@ def build_from_source(
             )
 
             def measure(kernel: str | None, reference: float | None) -> dict[str, Any]:
-                figures = served_quality(staged, fp_source, threads, kernel, reference)
+                # in a process of its own too: the server starts beside a builder that holds
+                # no model, and the source's own perplexity is computed there after it stops
+                figures: dict[str, Any] = isolated.run(
+                    served_quality, None, threads, checkpoint=staged, source=fp_source,
+                    threads=threads, kernel=kernel, reference=reference,
+                )  # fmt: skip
                 progress.say(f"[quantize]     served ({figures['kernel']} kernels) perplexity "
                              f"{figures['perplexity']:.3f} / source {figures['reference']:.3f}"
                              f" = ratio {figures['ratio']:.3f}, "
