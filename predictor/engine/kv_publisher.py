@@ -97,7 +97,7 @@ class ZmqPublisher:
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch for the thread (one producer: the step loop); a full queue drops it
-        (counted). Never waits, never wakes the thread."""
+        (counted). Never waits; wakes the thread only where the deque was empty."""
         if len(self._queue) >= self._max_queue:
             self._on_drop()
             return
