@@ -251,9 +251,8 @@ def _sleep(
     def reload() -> Runner:
         if settings.runner == "null":
             return NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
-        again = load_checkpoint(
-            model_dir, settings.device, threads=settings.torch_threads, kernel=settings.kernel
-        )
+        again = load_checkpoint(model_dir, settings.device, threads=settings.torch_threads,
+                                kernel=settings.kernel, served=True)  # fmt: skip
         runner = _cpu_runner(again.model, again.device, settings, allocator, invariant)
         if offload is not None:
             offload.copies = runner
@@ -424,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if settings.autotune_dir is not None and pick_device(settings.device).type == "cpu":
                 # the compiler runs while the checkpoint loads (a first start: seconds)
                 build_matmuls_in_background(library_cache(settings.autotune_dir))
-            loaded = load_checkpoint(model_dir, settings.device, threads=1, kernel=settings.kernel)
+            loaded = load_checkpoint(model_dir, settings.device, threads=1,
+                                     kernel=settings.kernel, served=True)  # fmt: skip
         startup.mark("load")
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)

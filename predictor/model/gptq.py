@@ -237,6 +237,10 @@ def load_gptq_model(path: Path, quant: dict[str, Any], device: torch.device,
     ):
         model.tie_weights()
     _rebuild_rotary(model, config, device)
+    if (path / "generation_config.json").is_file():  # its EOS ids, as from_pretrained reads them
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(path)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
         raise CheckpointError(f"{path}: tensors missing from its weight files: {left[:5]}")

@@ -31,6 +31,7 @@ from predictor.model.gptq import (
 log = logging.getLogger(__name__)
 
 QUANTIZE_CONFIG = "quantize_config.json"  # AutoGPTQ's, beside a config.json without one
+ATEN_GROUPS = (16, 32, 64, 128)  # gptqmodel 7.6's TorchAtenLinear: the group sizes it takes
 
 
 @dataclass
@@ -136,6 +137,7 @@ def load_checkpoint(
     threads: int = 1,
     kernel: str = "auto",
     dtype: torch.dtype | None = None,
+    served: bool = False,
 ) -> LoadedModel:
     """Load a GPTQ checkpoint with its tokenizer.
 
@@ -145,7 +147,10 @@ def load_checkpoint(
     tensors the GPU runner's own kernels serve, or, for "dequantized", expanded once into a plain
     nn.Linear (the same numbers, 4x the weight memory, the platform's dense matmul).
     `dtype`: of the plain tensors on that path (default: bf16 on a GPU, the checkpoint's own
-    on a CPU).
+    on a CPU). `served`: the CPU runner's fused kernels will serve the model (the server, not
+    an evaluation that runs the model's own forward): a 4-bit checkpoint whose projections
+    they fuse is read by model/gptq.py too, GPTQ's tensors as stored (the runner repacks them
+    in any case), without importing gptqmodel and optimum or their rewrite of every layer.
     """
     if kernel not in KERNELS:
         raise CheckpointError(f"unknown kernel {kernel!r} (choose one of {', '.join(KERNELS)})")
@@ -168,7 +173,8 @@ def load_checkpoint(
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        if target.type == "cuda" or kernel == "dequantized":
+        own_reader = target.type == "cuda" or kernel == "dequantized"
+        if own_reader or (served and _fused_by_runner(path, quant, kernel)):
             if dtype is None:  # on a CPU fp16 too becomes bf16, as on gptqmodel's path
                 stored = _checkpoint_dtype(path)
                 cpu_dtype = torch.bfloat16 if stored == torch.float16 else stored
@@ -231,6 +237,19 @@ def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device
         head = gptq_linear(read_module(path, "lm_head", target), layout, "lm_head")
         model.set_output_embeddings(dense_linear(head, dtype))
     return model
+
+
+def _fused_by_runner(path: Path, quant: dict[str, Any], kernel: str) -> bool:
+    """The CPU runner's fused kernels serve every projection of this checkpoint from GPTQ's
+    tensors as stored (engine/runners/internals.py `aten_packed`): 4 bits in the groups that
+    gptqmodel's TorchAtenLinear takes (the layouts the runner fuses either way), a kernel of
+    its own (or auto), and no bias on an output projection (the model's own modules serve
+    those: gptqmodel's)."""
+    config = json.loads((path / "config.json").read_text())
+    biased = bool(config.get("attention_bias")) or bool(config.get("mlp_bias"))
+    own = kernel == "auto" or kernel in FUSED_KERNELS
+    grouped = int(quant.get("group_size", 128)) in ATEN_GROUPS
+    return own and int(quant.get("bits", 4)) == 4 and grouped and not biased
 
 
 def _checkpoint_dtype(path: Path) -> torch.dtype:

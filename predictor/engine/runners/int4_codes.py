@@ -102,9 +102,10 @@ def repack_codes(
 
 def gptq_codes(part: internals.AtenPacked, out: torch.Tensor | None = None) -> torch.Tensor:
     """The codes [N, K] (uint8) of GPTQ's words as loaded, inputs in the part's order (into
-    `out`, contiguous, where given)."""
+    `out`, contiguous, where given; words already in that order where the part says so)."""
     n, k = part.out_features, part.in_features
-    order = None if torch.equal(part.order, torch.arange(k)) else part.order.long().contiguous()
+    as_stored = part.ordered or torch.equal(part.order, torch.arange(k))
+    order = None if as_stored else part.order.long().contiguous()
     codes = torch.empty((n, k), dtype=torch.uint8) if out is None else out
     compiled = load_helpers()
     if compiled is not None:

@@ -25,7 +25,10 @@ changes one fails there, naming it.
    [groups, N, 2] bf16, `ret_idx` [K] (act-order's input order: rows stored group by group).
    Both: `group_size`, `in_features`, `out_features`, `bias`, `adapter`. The runner reads them
    through `aten_packed` only (as loaded where it can: packing a 1.7B model took 12 s of its
-   start-up); anything else is a reason it gives, and logs.
+   start-up); anything else is a reason it gives, and logs. The server reads a checkpoint it
+   serves without gptqmodel (model/gptq.py's `GPTQLinear`: `qweight` [K / 8, N] int32 with
+   act-order's rows already sorted by group, `zeros` [groups, N] the zero codes, `scales`,
+   `perm` [K] or None): `aten_packed` reads that too, as the same AtenPacked.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import torch
 
 ITEMS = ("INT4PACK_MM", "INT4PACK_CONVERT", "ONEDNN_PREPACK", "INT4PACK_CUDA", "GPTQMODEL_ATEN")
 ATEN_LINEAR = "TorchAtenLinear"
+GPTQ_LINEAR = "GPTQLinear"  # predictor/model/gptq.py's (the engine does not import the model)
 
 
 def int4pack_mm(
@@ -92,6 +96,7 @@ class AtenPacked:
     group_size: int
     in_features: int
     out_features: int
+    ordered: bool = False  # qweight's rows are already in `order` (GPTQLinear's act-order)
 
 
 def aten_packed(module: Any, bias: bool = False) -> AtenPacked | str:
@@ -99,12 +104,14 @@ def aten_packed(module: Any, bias: bool = False) -> AtenPacked | str:
     would), or why the runner's fused kernels cannot serve it: another kernel class, training
     mode, an adapter, a bias (unless `bias`), not packable here."""
     kind = type(module).__name__
-    if kind != ATEN_LINEAR:
+    if kind not in (ATEN_LINEAR, GPTQ_LINEAR):
         return f"its Linears are {kind}, not gptqmodel's {ATEN_LINEAR}"
     if module.training or getattr(module, "adapter", None):
         return "a Linear is in training mode or carries an adapter"
     if module.bias is not None and not bias:
         return "an output projection has a bias"
+    if kind == GPTQ_LINEAR:
+        return _read(module)
     on_cpu = module.qweight.device.type == "cpu"
     if getattr(module, "linear_mode", None) is None and on_cpu and _as_loaded(module):
         return _loaded(module)
@@ -122,6 +129,30 @@ def aten_packed(module: Any, bias: bool = False) -> AtenPacked | str:
         group_size=int(module.group_size),
         in_features=int(module.in_features),
         out_features=int(module.out_features),
+    )
+
+
+def _read(module: Any) -> AtenPacked | str:
+    """A GPTQLinear's tensors: zero codes unpacked already, act-order's rows already sorted."""
+    n, k = int(module.out_features), int(module.in_features)
+    shape = tuple(module.qweight.shape)
+    if int(module.bits) != 4 or module.qweight.dtype != torch.int32 or shape != (k // 8, n):
+        return f"a {GPTQ_LINEAR} of {module.bits} bits or packed as {shape}, not 4-bit GPTQ's"
+    if module.qweight.device.type != "cpu":
+        return f"a {GPTQ_LINEAR} on {module.qweight.device}, not the CPU"
+    scales = module.scales.to(torch.bfloat16)
+    zeros = (8 - module.zeros.to(torch.bfloat16)) * scales
+    ordered = module.perm is not None
+    return AtenPacked(
+        qweight=module.qweight,
+        int4pack=False,
+        scales_and_zeros=torch.stack((scales, zeros), dim=2).contiguous(),
+        order=module.perm if ordered else torch.arange(k),
+        bias=module.bias,
+        group_size=int(module.group_size),
+        in_features=k,
+        out_features=n,
+        ordered=ordered,
     )
 
 

@@ -199,3 +199,31 @@ def test_a_checkpoint_is_served(family: str, workdir: Path, tokenizer_dir: Path)
     ours = [int(t.removeprefix("token_id:")) for t in tokens]
     assert len(ours) == 8 and ours[0] == reference_tokens(path, PROMPT, 1)[0]
     check_continuation(path, PROMPT, ours)
+
+
+SERVED_READER = [  # per-channel: TorchAtenLinear takes groups of 16-128 only; gptqmodel's others
+    ("qwen2", name)
+    for name, layout in sorted(LAYOUTS.items())
+    if layout.bits == 4 and layout.group_size > 0
+]
+SERVED_READER += [("phi3", "4bit-g32-asym"), ("gemma3_text", "4bit-g32-asym")]
+
+
+@pytest.mark.parametrize(("family", "layout"), SERVED_READER)
+def test_the_server_reads_a_checkpoint_without_gptqmodel(
+    family: str, layout: str, workdir: Path, tokenizer_dir: Path
+) -> None:
+    """The server's reader (`served=True`: model/gptq.py, no gptqmodel) gives the runner what
+    gptqmodel's TorchAtenLinear gives it: every layer fused (act-order's rows sorted once, at
+    load, either way), the same logits to the bit."""
+    path = checkpoint(workdir, tokenizer_dir, family, layout)
+    logits = []
+    for served in (False, True):
+        kernel = "auto" if served else "gptq_torch_aten"  # gptqmodel's own pick may be another
+        loaded = load_checkpoint(path, device="cpu", threads=1, kernel=kernel, served=served)
+        assert loaded.kernel == ("GPTQLinear" if served else "TorchAtenLinear")
+        runner = ModelRunner(loaded.model, torch.device("cpu"), 64, 16, kernel="native_f32",
+                             autotune_cache=tune_cache())  # fmt: skip
+        assert all(f is not None for f in runner._fused)
+        logits.append(torch.cat([x.float() for x in step_logits(runner, [PROMPT], 3)]))
+    assert torch.equal(logits[0], logits[1])
