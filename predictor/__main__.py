@@ -28,7 +28,7 @@ from predictor.engine.kv_publisher import ZmqPublisher
 from predictor.engine.reasoning import choose_format
 from predictor.engine.runners.memory import trim_heap
 from predictor.engine.runners.model import ModelRunner
-from predictor.engine.runners.native import build_matmuls_in_background, library_cache
+from predictor.engine.runners.native import build_in_background, library_cache
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.sleep import Sleep
@@ -39,7 +39,13 @@ from predictor.engine.tool_formats import choose
 from predictor.errors import CheckpointError
 from predictor.model.builds import recorded_kernel
 from predictor.model.layout import resolve_checkpoint_dir, served_name
-from predictor.model.loader import LoadedModel, load_checkpoint, load_tokenizer_only, pick_device
+from predictor.model.loader import (
+    LoadedModel,
+    attention_shape,
+    load_checkpoint,
+    load_tokenizer_only,
+    pick_device,
+)
 from predictor.model.lora import Adapter, reading_adapter
 from predictor.observability.metrics import Metrics
 from predictor.observability.observer import Observer
@@ -422,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             if settings.autotune_dir is not None and pick_device(settings.device).type == "cpu":
                 # the compiler runs while the checkpoint loads (a first start: seconds)
-                build_matmuls_in_background(library_cache(settings.autotune_dir))
+                shape = attention_shape(model_dir)
+                attention = None if shape is None else (*shape, settings.kv_block_size)
+                build_in_background(library_cache(settings.autotune_dir), attention)
             loaded = load_checkpoint(model_dir, settings.device, threads=1,
                                      kernel=settings.kernel, served=True)  # fmt: skip
         startup.mark("load")

@@ -123,6 +123,18 @@ def context_length(config: Any) -> int:
     return length
 
 
+def attention_shape(path: Path) -> tuple[int, int] | None:
+    """(head_dim, query heads per KV head) as config.json states them (the runner's native
+    kernels are compiled for these), or None where it nests them (a multimodal config)."""
+    config = json.loads((path / "config.json").read_text())
+    heads = config.get("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads", heads)  # transformers' default: no grouping
+    if not isinstance(heads, int) or not heads or not isinstance(kv_heads, int) or not kv_heads:
+        return None
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    return (int(head_dim), heads // kv_heads) if head_dim else None
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

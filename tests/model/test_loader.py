@@ -116,3 +116,20 @@ def test_server_serves_with_the_kernel_it_was_given(tiny_gptq_dir: Path) -> None
     assert r.status_code == 200, r.text
     assert r.json()["details"]["generated_tokens"] >= 1
     assert "(kernel Linear (dequantized)," in log
+
+
+def test_attention_shape_is_read_from_config_json(tmp_path: Path) -> None:
+    """What the native attention kernels are compiled for, before the checkpoint loads: head_dim
+    as stated or hidden / heads, query heads per KV head (none stated: no grouping), and no
+    guess where a multimodal config nests them."""
+    from predictor.model.loader import attention_shape
+
+    def shape(config: dict[str, Any]) -> tuple[int, int] | None:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return attention_shape(tmp_path)
+
+    llama = {"hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 32}
+    assert shape(llama) == (64, 1)
+    assert shape({**llama, "num_key_value_heads": 8, "head_dim": 128}) == (128, 4)
+    assert shape({"hidden_size": 576, "num_attention_heads": 9}) == (64, 1)
+    assert shape({"text_config": llama}) is None

@@ -342,27 +342,36 @@ def library_cache(autotune_cache: Path) -> Path:
     return autotune_cache / "native"
 
 
-def build_matmuls_in_background(cache_dir: Path) -> list[threading.Thread]:
-    """Start building (or loading from `cache_dir`) the MATMULS, each on a thread of its own:
-    the compiler then runs while the checkpoint loads, and the runner's own calls find them
-    built or wait for them. On a first start int4_matmul.c and int8_matmul.c take seconds to
-    compile. A build that fails is retried by the runner's call, which reports it."""
+def build_in_background(
+    cache_dir: Path, attention: tuple[int, int, int] | None = None
+) -> list[threading.Thread]:
+    """Start building (or loading from `cache_dir`) the MATMULS, and with `attention` (head_dim,
+    query heads per KV head, KV block size) the layer ops and decode attention for it, each on
+    a thread of its own: the compiler then runs while the checkpoint loads, and the runner's
+    own calls find them built or wait for them (toolchain.build's lock). On a first start each
+    takes seconds to compile. A build that fails is retried by the runner's call, which reports
+    it; one the runner does not call (another family's attention) only costs its compile."""
     isas = usable_isas()
-    if not isas:
-        return []
+    builds: list[tuple[Callable[..., object], tuple[object, ...]]] = []
+    if isas:
+        builds += [(build, (isas[0], cache_dir)) for build in MATMULS.values()]
+    if attention is not None:
+        head_dim, group, block_size = attention
+        builds += [(layer_ops, (head_dim, cache_dir)),
+                   (decode_attention, (head_dim, group, block_size, cache_dir))]  # fmt: skip
     threads = [
-        threading.Thread(target=_build_quietly, args=(build, isas[0], cache_dir),
+        threading.Thread(target=_build_quietly, args=(build, args),
                          name=f"build-{build.__name__}", daemon=True)
-        for build in MATMULS.values()
+        for build, args in builds
     ]  # fmt: skip
     for thread in threads:
         thread.start()
     return threads
 
 
-def _build_quietly(build: Callable[[str, Path], object], isa: str, cache_dir: Path) -> None:
+def _build_quietly(build: Callable[..., object], args: tuple[object, ...]) -> None:
     with contextlib.suppress(NativeUnavailable):
-        build(isa, cache_dir)
+        build(*args)
 
 
 def _int8_matmul(isa: str, cache_dir: Path | None) -> Int8Kernel:

@@ -291,7 +291,7 @@ def test_the_matmuls_build_in_the_background_once(tmp_path: Any, monkeypatch: An
 
     monkeypatch.setattr(native, "_matmul_library", counted)
     cache = native.library_cache(tmp_path)
-    threads = native.build_matmuls_in_background(cache)
+    threads = native.build_in_background(cache)
     assert [t.name for t in threads] == ["build-int4_matmul", "build-int8_matmul"]
     assert all(event.wait(30) for event in started.values())
     isa = native.usable_isas()[0]
@@ -304,3 +304,25 @@ def test_the_matmuls_build_in_the_background_once(tmp_path: Any, monkeypatch: An
         "int4_matmul",
         "int8_matmul",
     ]
+
+
+@needs_compiler
+def test_the_attention_kernels_build_in_the_background(tmp_path: Any, monkeypatch: Any) -> None:
+    """Given the model's attention shape (read from config.json before the load), the layer ops
+    and decode attention compile while the checkpoint loads: the runner's calls after find them
+    in the library cache and compile nothing."""
+    cache = native.library_cache(tmp_path)
+    monkeypatch.setattr(native, "usable_isas", lambda flags=None: [])  # the matmuls not built
+    for thread in native.build_in_background(cache, (64, 3, 16)):
+        thread.join(180)
+    assert sorted(p.name.split("-")[0] for p in cache.glob("*.so")) == [
+        "decode_attention",
+        "layer_ops",
+    ]
+
+    def no_compiler(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(toolchain, "_compile", no_compiler)
+    native.layer_ops(64, cache)
+    native.decode_attention(64, 3, 16, cache)
