@@ -44,16 +44,6 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")  # --prefix-caching-hash-algo,
 TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen",
                      "qwen3_xml", "llama4_json", "phi4_mini")  # fmt: skip
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # --reasoning-parser (engine/reasoning.py)
-# the decoder families the CPU runner serves (engine/runners/model.py), by config.json's
-# model_type, and the GPU runner's (engine/runners/cuda/runner.py): refused before loading
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-# sliding windows: these families' (where config.json sets one) cap the context at the window,
-# so no key a query may see is ever outside it (model/loader.py); these attend through theirs,
-# layer by layer, with a window mask (Gemma 3: 512-token windows on 5 layers of 6, the context
-# 32k; engine/runners/model.py)
-CONTEXT_WINDOWED = ("mistral", "phi3", "gemma2")
-WINDOW_MASKED = ("gemma3_text",)
-GPU_MODEL_TYPES = ("llama",)
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 PAYLOAD_MODES = ("off", "hash", "full")
 # OpenTelemetry's standard variables, read when our own flag and PREDICTOR_* variable are unset

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from predictor.config import MODEL_TYPES
+from predictor.families import MODEL_TYPES
 
 # GGUF's general.architecture -> the transformers model_type it loads as (Mistral's GGUFs say
 # "llama"; Gemma 3's text models load as gemma3_text)

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from predictor.config import (
-    CONTEXT_WINDOWED,
-    FUSED_KERNELS,
-    GPU_MODEL_TYPES,
-    KERNELS,
-    MODEL_TYPES,
-    WINDOW_MASKED,
-)
+from predictor.config import FUSED_KERNELS, KERNELS
 from predictor.errors import CheckpointError, UnsupportedModel
+from predictor.families import CONTEXT_WINDOWED, GPU_MODEL_TYPES, WINDOW_MASKED, check_family
 from predictor.model.gptq import (
     GPTQLayout,
     GPTQLinear,
@@ -61,7 +54,8 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a GPTQ checkpoint: it has no weight files")
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{path} has no tokenizer")
-    check_family(config, MODEL_TYPES)
+    check_family(str(config.get("model_type", "")))
+    check_rotary(config)
     if int(quant.get("bits", 4)) not in (4, 8):
         raise UnsupportedModel(
             f"{quant.get('bits')}-bit GPTQ is not supported (supported: 4 and 8 bits)"
@@ -91,14 +85,9 @@ def quantization_config(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     return dict(quant)
 
 
-def check_family(config: dict[str, Any], supported: Sequence[str], where: str = "") -> None:
-    """Refuse a decoder family the runner does not serve, from config.json alone (a second,
-    not minutes into loading the weights)."""
-    model_type = str(config.get("model_type", ""))
-    if model_type not in supported:
-        raise UnsupportedModel(
-            f"model type {model_type!r} is not supported{where} (supported: {', '.join(supported)})"
-        )
+def check_rotary(config: dict[str, Any]) -> None:
+    """Refuse rotary embeddings the runner does not apply, from config.json alone (a second,
+    not minutes into loading the weights), as the family is (families.check_family)."""
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
     if partial != 1.0:  # Phi-4-mini's 0.75: the runner rotates every dimension of a head
@@ -109,7 +98,7 @@ def check_family(config: dict[str, Any], supported: Sequence[str], where: str = 
 
 def context_length(config: Any) -> int:
     """The tokens a request may span: max_position_embeddings, or a sliding window where the
-    model attends through one (config.CONTEXT_WINDOWED; Qwen2/3 with use_sliding_window;
+    model attends through one (families.CONTEXT_WINDOWED; Qwen2/3 with use_sliding_window;
     Gemma 3 masks its windows instead). Capping the context
     at the window keeps every key a query may see inside it, so no window mask is needed."""
     length = int(getattr(config, "max_position_embeddings", 2048))
@@ -174,7 +163,8 @@ def load_checkpoint(
             f"kernel {kernel} is a CPU kernel: on a GPU the runner measures its own (auto)"
         )
     if target.type == "cuda":
-        check_family(json.loads((path / "config.json").read_text()), GPU_MODEL_TYPES, " on a GPU")
+        model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+        check_family(str(model_type), GPU_MODEL_TYPES, " on a GPU")
     if target.type == "cpu" and kernel == "auto" and int(quant.get("bits", 4)) == 8:
         # no CPU kernel serves 8-bit codes fast (gptqmodel's ran at 0.1x the weights expanded,
         # load/bench_layouts.py): expanded once to bf16, which the runner prepacks for oneDNN

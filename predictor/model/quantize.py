@@ -13,7 +13,7 @@ and, while quantizing, per layer, with the time elapsed and an estimate of what 
 
 `python -m predictor.model.quantize --source HF_FOLDER_OR_GGUF --out DIR` does the same for a
 user's own fp16/bf16/fp32 checkpoint, or GGUF file (dequantized to bf16 first: gguf_source.py),
-of any family the server serves (config.MODEL_TYPES): refused in a moment when it is not one,
+of any family the server serves (families.MODEL_TYPES): refused in a moment when it is not one,
 then GPTQ (group 128 symmetric by default, as the Hub's checkpoints are), calibrated on every
 project text plus calibration_extra.txt (tables, lists, legal and technical prose), scored
 against the source and installed only within the bar. A build the bar refuses is kept at

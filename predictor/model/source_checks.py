@@ -10,7 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from predictor.config import MODEL_TYPES
+from predictor.errors import UnsupportedModel
+from predictor.families import check_family
 from predictor.model.evaluate import TEXTS, sequence_perplexity, text_ids, tokens_available
 from predictor.model.gguf_source import is_gguf, read_gguf
 from predictor.model.served import served_figures
@@ -31,12 +32,10 @@ def check_source(source: Path, group_size: int) -> dict[str, Any]:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise SystemExit(f"--source {source}: no readable config.json ({exc})") from exc
-    model_type = str(config.get("model_type", ""))
-    if model_type not in MODEL_TYPES:
-        raise SystemExit(
-            f"--source {source}: model type {model_type!r} is not served "
-            f"(supported: {', '.join(MODEL_TYPES)})"
-        )
+    try:
+        check_family(str(config.get("model_type", "")))
+    except UnsupportedModel as exc:
+        raise SystemExit(f"--source {source}: {exc}") from exc
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method", "?")
         raise SystemExit(f"--source {source} is already quantized ({method}): give an fp one")

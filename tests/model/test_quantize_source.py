@@ -94,7 +94,7 @@ def test_a_source_the_server_cannot_serve_is_refused_at_once(
     (gemma3 / "config.json").write_text(json.dumps({**config, "model_type": "gemma3"}))
     started = time.monotonic()
     run = quantize("--source", str(gemma3), "--out", str(tmp_path / "never"))
-    assert run.returncode != 0 and "model type 'gemma3' is not served" in run.stderr
+    assert run.returncode != 0 and "model type 'gemma3' is not supported" in run.stderr
     run = quantize("--source", str(qwen2_source), "--out", str(tmp_path / "never"),
                    "--group-size", "96")  # fmt: skip
     assert run.returncode != 0 and "does not divide hidden_size 128" in run.stderr

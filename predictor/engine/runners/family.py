@@ -1,4 +1,4 @@
-"""What differs between the decoder families the runner serves (config.MODEL_TYPES), read once
+"""What differs between the decoder families the runner serves (families.MODEL_TYPES), read once
 from the model: the norms around each layer's attention and MLP (Llama's two, Gemma 2's four),
 the final norm, Gemma 2's soft caps, Gemma 3's rotary table per layer type and sliding windows,
 and Qwen3's per-head q/k norms. Qwen's biases and Phi-3's stored-fused projections are the
@@ -12,10 +12,8 @@ from typing import Any
 
 import torch
 
-from predictor.config import MODEL_TYPES, WINDOW_MASKED
-from predictor.errors import UnsupportedModel
+from predictor.families import WINDOW_MASKED, check_family
 
-SUPPORTED_MODEL_TYPES = frozenset(MODEL_TYPES)
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -35,11 +33,7 @@ def family(model: Any, layers: list[Any]) -> Family:
     """The family traits of a transformers causal LM (UnsupportedModel for another type)."""
     config = model.config
     model_type = getattr(config, "model_type", "")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model type {model_type!r} is not supported (supported: "
-            f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-        )
+    check_family(model_type)
     layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(layers))
     per_type = getattr(model.model.rotary_emb, "layer_types", None) is not None
     window = getattr(config, "sliding_window", None)

@@ -8,7 +8,7 @@ tokens) per step), and attention reads a row's own positions only.
 
 The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
 Linear replacement works; attention and the cache are ours. Llama-family decoders and their
-kin (config.MODEL_TYPES): what differs between them is read once by family.py.
+kin (families.MODEL_TYPES): what differs between them is read once by family.py.
 """
 
 from __future__ import annotations

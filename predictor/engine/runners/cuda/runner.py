@@ -29,17 +29,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from predictor.config import GPU_MODEL_TYPES
 from predictor.engine.runners.cuda import attention as paths
 from predictor.engine.runners.cuda import autotune, triton_ops
 from predictor.engine.runners.cuda.linear import CudaLinear, fuse
 from predictor.engine.runners.plan import flatten, slots_of
 from predictor.engine.step import StepRow
 from predictor.errors import UnsupportedModel
+from predictor.families import GPU_MODEL_TYPES, check_family
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = frozenset(GPU_MODEL_TYPES)
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 ATTENTION = ("auto", "triton", "torch")
 
@@ -83,12 +82,7 @@ class CudaRunner:
         """`max_rows`: the most decode rows a step holds (the largest graph); `max_step_tokens`:
         the most tokens a step feeds (the largest bucket the autotune measures). `attention`:
         "triton" (the paged kernel), "torch" (gather, eager steps), "auto" (measured)."""
-        model_type = getattr(model.config, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(
-                f"model type {model_type!r} is not supported on the GPU (supported: "
-                f"{', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-            )
+        check_family(getattr(model.config, "model_type", ""), GPU_MODEL_TYPES, " on the GPU")
         if attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}")
         self.model, self.device = model, device
