@@ -106,9 +106,9 @@ def main() -> None:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from predictor.__main__ import build_engine
-    from predictor.config import Settings
+    from predictor.config import ModelSettings, SchedulerSettings, Settings
     from predictor.engine.async_engine import AsyncEngine
+    from predictor.engine_assembly import build_engine
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
     from predictor.types import GenerateRequest, SamplingParams
@@ -152,7 +152,9 @@ def main() -> None:
     def engine() -> AsyncEngine:
         # a checkpoint of its own: the server's engine empties the model's 4-bit modules once
         # its runner has fused them (release_model_weights), so a second engine cannot share it
-        settings = Settings(max_batch_size=64, max_waiting=1024, threads=args.threads)
+        settings = Settings(
+            ModelSettings(threads=args.threads), scheduler=SchedulerSettings(64, max_waiting=1024)
+        )
         own = load_checkpoint(args.model_dir, args.device, threads=1)
         return build_engine(own, settings, Metrics(CollectorRegistry(), "bench"))
 

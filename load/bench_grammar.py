@@ -57,10 +57,10 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from prometheus_client import CollectorRegistry
 
-    from predictor.__main__ import build_engine
-    from predictor.config import Settings
+    from predictor.config import ModelSettings, SchedulerSettings, Settings
     from predictor.engine import tool_calls
     from predictor.engine.grammar import Grammars
+    from predictor.engine_assembly import build_engine
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
     from predictor.types import GenerateRequest, Grammar, SamplingParams
@@ -89,7 +89,9 @@ def main() -> None:
         print(f"{name} compile: median {statistics.median(times) * 1000:.1f} ms, "
               f"max {max(times) * 1000:.1f} ms")  # fmt: skip
 
-    settings = Settings(max_batch_size=64, max_waiting=1024, threads=args.threads)
+    settings = Settings(
+        ModelSettings(threads=args.threads), scheduler=SchedulerSettings(64, max_waiting=1024)
+    )
     engine = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
 
     async def wave(grammar: Grammar | None) -> tuple[float, int]:

@@ -25,13 +25,15 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "went", "home", "
 def engine(model_dir: Path, invariant: bool, threads: int) -> Any:
     from prometheus_client import CollectorRegistry
 
-    from predictor.__main__ import build_engine
-    from predictor.config import Settings
+    from predictor.config import ModelSettings, SchedulerSettings, Settings
+    from predictor.engine_assembly import build_engine
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
 
     loaded = load_checkpoint(model_dir, device="cpu", threads=1)
-    settings = Settings(max_batch_size=16, threads=threads, autotune_cache="")
+    settings = Settings(
+        ModelSettings(threads=threads, autotune_cache=""), scheduler=SchedulerSettings(16)
+    )
     made = build_engine(
         loaded, settings, Metrics(CollectorRegistry(), "bench"), invariant=invariant
     )

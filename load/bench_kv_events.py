@@ -104,8 +104,8 @@ def in_process(args: argparse.Namespace) -> None:
     """One engine driven step by step here, its events on and off in alternate passes."""
     from prometheus_client import CollectorRegistry
 
-    from predictor.__main__ import build_engine
-    from predictor.config import Settings
+    from predictor.config import CacheSettings, ModelSettings, SchedulerSettings, Settings
+    from predictor.engine_assembly import build_engine
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
     from predictor.types import GenerateRequest, SamplingParams
@@ -113,9 +113,13 @@ def in_process(args: argparse.Namespace) -> None:
     port = free_port()
     config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}",
                          "topic": "kv@127.0.0.1:0@m"})  # fmt: skip
-    settings = Settings(max_batch_size=args.concurrency, max_waiting=4096, threads=args.threads,
-                        max_cache_tokens=args.max_cache_tokens, kv_events_config=config,
-                        prefix_caching_hash_algo="sha256_cbor")  # fmt: skip
+    settings = Settings(
+        ModelSettings(threads=args.threads),
+        scheduler=SchedulerSettings(args.concurrency, max_waiting=4096),
+        cache=CacheSettings(
+            args.max_cache_tokens, kv_events_config=config, prefix_caching_hash_algo="sha256_cbor"
+        ),
+    )
     loaded = load_checkpoint(Path(args.model_dir), "cpu", threads=1)
     engine = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
     loop = engine._loop  # driven here, on this thread: no step loop thread, no asyncio

@@ -26,14 +26,16 @@ def measure(model_dir: Path, threads: int, levels: list[int], new_tokens: int) -
     """In this process: tok/s at each concurrency with an engine of `threads` threads."""
     from prometheus_client import CollectorRegistry
 
-    from predictor.__main__ import build_engine
-    from predictor.config import Settings
+    from predictor.config import ModelSettings, SchedulerSettings, Settings
+    from predictor.engine_assembly import build_engine
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
     from predictor.types import GenerateRequest, SamplingParams
 
     loaded = load_checkpoint(model_dir, "cpu", threads=threads)
-    settings = Settings(max_batch_size=64, max_waiting=1024, threads=threads)
+    settings = Settings(
+        ModelSettings(threads=threads), scheduler=SchedulerSettings(64, max_waiting=1024)
+    )
     engine = build_engine(loaded, settings, Metrics(CollectorRegistry(), "bench"))
     prompts = [line for line in PROMPTS.read_text().splitlines() if line.strip()]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)

@@ -162,8 +162,8 @@ def bench_ours(path: Path, concurrencies: list[int]) -> dict[str, Any]:
     import torch
     from prometheus_client import CollectorRegistry
 
-    from predictor.__main__ import build_engine
-    from predictor.config import Settings
+    from predictor.config import LimitsSettings, SchedulerSettings, Settings
+    from predictor.engine_assembly import build_engine
     from predictor.model.loader import load_checkpoint
     from predictor.observability.metrics import Metrics
     from predictor.types import GenerateRequest, SamplingParams
@@ -171,8 +171,10 @@ def bench_ours(path: Path, concurrencies: list[int]) -> dict[str, Any]:
     started = time.perf_counter()
     loaded = load_checkpoint(path, device="cuda")
     loaded_at = time.perf_counter()
-    settings = Settings(max_batch_size=max(concurrencies), max_waiting=1024,
-                        max_step_tokens=1024, max_tokens_limit=1024)  # fmt: skip
+    settings = Settings(
+        scheduler=SchedulerSettings(max(concurrencies), max_waiting=1024, max_step_tokens=1024),
+        limits=LimitsSettings(max_tokens_limit=1024),
+    )
     metrics = Metrics(CollectorRegistry(), "bench")
     steps: list[float] = []
     observe = metrics.observe_batch

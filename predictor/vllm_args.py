@@ -1,8 +1,8 @@
 """`vllm serve`'s spellings of this server's settings: what a deployment written for vLLM passes
 (KServe's LLMInferenceService templates its engine command and appends its LoRA, tracing and KV
-offloading flags), read into the same Settings (config.py builds the parser and calls these). A
-boolean flag is written as vLLM writes its own (argparse.BooleanOptionalAction): `--flag` alone,
-`--no-flag`.
+offloading flags), read into the same Settings (config/settings.py builds the parser and calls
+these). A boolean flag is written as vLLM writes its own (argparse.BooleanOptionalAction):
+`--flag` alone, `--no-flag`.
 
 KServe's preset (config/llmisvcconfig/config-llm-template.yaml, kserve/kserve) runs
 `vllm serve /mnt/models --served-model-name NAME publishers/NS/models/NAME --port 8000
@@ -17,7 +17,19 @@ import argparse
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
+
+# --help's section of the flags add_arguments adds
+SECTION = "vLLM's flags with no setting of their own (each says what it does here)"
+
+
+class Flags(Protocol):
+    """Where flags are added: a parser, or one section (argument group) of its --help."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action: ...
+
+    def set_defaults(self, **kwargs: Any) -> None: ...
+
 
 # Settings fields also set by vLLM's flag of another name
 FLAG_ALIASES = {
@@ -45,7 +57,7 @@ def boolean(text: str) -> bool:
 
 
 def add_boolean(
-    parser: argparse.ArgumentParser,
+    parser: Flags,
     names: Sequence[str],
     dest: str,
     default: bool,
@@ -87,7 +99,7 @@ class Parser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: Flags) -> None:
     """vLLM's flags with no Settings field of their own."""
     parser.add_argument(
         "--served-model-name",

@@ -33,7 +33,7 @@ def worker_cores() -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
-# --autotune-cache as the environment gives it (predictor/config.py): tests/conftest.py points
+# --autotune-cache as the environment gives it (predictor/config/): tests/conftest.py points
 # it at a folder of the run's, for the run's servers and (tune_cache) in-process runners
 TUNE_CACHE_VARIABLE = "PREDICTOR_AUTOTUNE_CACHE"
 # where the servers' logs go: tests/conftest.py points it at a folder of the run's, which pytest

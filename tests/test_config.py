@@ -1,19 +1,36 @@
 import os
 import socket
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from load.random_lora import write_adapter
 from predictor import config, vllm_args
-from predictor.config import Settings, build_parser, usable_cpus
+from predictor.config import (
+    GROUPS,
+    CacheSettings,
+    LimitsSettings,
+    LoraSettings,
+    ModelSettings,
+    SchedulerSettings,
+    ServerSettings,
+    Settings,
+    SpeculationSettings,
+    TelemetrySettings,
+    build_parser,
+    usable_cpus,
+)
+from predictor.config import model as model_module
 from predictor.model.layout import served_name
 from tests.support import ServerProcess
 
+# each setting's group, by the setting's (the flag's) name
+GROUP_OF = {f.name: group for group, kind in GROUPS.items() for f in fields(kind)}
 # every boolean setting, so that a new one is checked in every form below without a word here
-BOOLEANS = [f.name for f in fields(Settings) if type(f.default) is bool]
+BOOLEANS = [f.name for kind in GROUPS.values() for f in fields(kind) if type(f.default) is bool]
 # each one's flag names: ours, then vLLM's (vllm_args.FLAG_ALIASES)
 BOOLEAN_FLAGS = [
     (name, flag)
@@ -25,28 +42,33 @@ ALWAYS_ON = {"batch_invariant"}
 SWITCHABLE_FLAGS = [(name, flag) for name, flag in BOOLEAN_FLAGS if name not in ALWAYS_ON]
 
 
+def setting(settings: Settings, name: str) -> Any:
+    """A setting by its flag's name, from its group."""
+    return getattr(getattr(settings, GROUP_OF[name]), name)
+
+
 def test_defaults_and_flags() -> None:
     s = Settings.from_sources(["--http-port", "9000", "--model-dir", "/mnt/models"], {})
-    assert s.http_port == 9000
-    assert s.grpc_port == 8081
-    assert s.host == "127.0.0.1"
-    assert s.model_dir == Path("/mnt/models")
-    assert served_name(s.model_name, s.model_dir) == "models"
+    assert s.server.http_port == 9000
+    assert s.server.grpc_port == 8081
+    assert s.server.host == "127.0.0.1"
+    assert s.model.model_dir == Path("/mnt/models")
+    assert served_name(s.model.model_name, s.model.model_dir) == "models"
 
 
 def test_environment_gives_defaults_and_flags_win() -> None:
     env = {"PREDICTOR_THREADS": "3", "PREDICTOR_ENABLE_GRPC": "false", "PREDICTOR_HTTP_PORT": "1"}
     s = Settings.from_sources(["--http-port", "2"], env)
-    assert s.threads == 3 and s.torch_threads == 3
-    assert s.enable_grpc is False
-    assert s.http_port == 2
+    assert s.model.threads == 3 and s.model.torch_threads == 3
+    assert s.server.enable_grpc is False
+    assert s.server.http_port == 2
 
 
 def test_model_name_defaults_to_folder_name() -> None:
     s = Settings.from_sources(["--model-dir", "models/smollm2-135m-instruct-gptq/"], {})
-    assert served_name(s.model_name, s.model_dir) == "smollm2-135m-instruct-gptq"
+    assert served_name(s.model.model_name, s.model.model_dir) == "smollm2-135m-instruct-gptq"
     named = Settings.from_sources(["--model-name", "x"], {})
-    assert served_name(named.model_name, named.model_dir) == "x"
+    assert served_name(named.model.model_name, named.model.model_dir) == "x"
 
 
 def test_model_name_of_a_nested_storage_folder_is_the_checkpoints(tmp_path: Path) -> None:
@@ -56,7 +78,7 @@ def test_model_name_of_a_nested_storage_folder_is_the_checkpoints(tmp_path: Path
     (tmp_path / "models" / "smollm2-gptq").mkdir(parents=True)
     (tmp_path / "models" / "smollm2-gptq" / "config.json").write_text("{}")
     s = Settings.from_sources(["--model-dir", str(tmp_path / "models")], {})
-    assert served_name(s.model_name, s.model_dir) == "smollm2-gptq"
+    assert served_name(s.model.model_name, s.model.model_dir) == "smollm2-gptq"
 
 
 def test_kserve_flags_are_not_ours() -> None:
@@ -74,6 +96,43 @@ def test_help_lists_our_flags() -> None:
         assert flag in text
 
 
+def test_the_help_has_a_section_per_group_with_its_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--help in sections, as vLLM's: each group's name, its one-line description, then its
+    flags (and no flag elsewhere); vLLM's flags without a setting last."""
+    monkeypatch.setenv("COLUMNS", "1000")  # one line per flag and per description
+    text = build_parser({}).format_help()
+    starts = {name: text.index(f"\n{name}:\n") for name in [*GROUPS, "vllm"]}
+    assert list(starts) == sorted(starts, key=starts.__getitem__)  # in GROUPS' order
+    ends = dict(zip(starts, [*list(starts.values())[1:], len(text)], strict=True))
+    for name, kind in GROUPS.items():
+        section = text[starts[name] : ends[name]]
+        assert section.splitlines()[2].strip() == kind.__doc__.strip()  # one line
+        for f in fields(kind):
+            assert f"  --{f.name.replace('_', '-')} " in section, (name, f.name)
+    assert "--served-model-name" in text[starts["vllm"] :]
+
+
+def test_each_group_checks_its_own_settings() -> None:
+    """A group's check() needs no other group: what concerns one is refused there."""
+    for group, message in (
+        (ModelSettings(kernel="fastest"), "--kernel must be one of"),
+        (LimitsSettings(default_max_tokens=600), "must not exceed --max-tokens-limit"),
+        (SchedulerSettings(max_step_tokens=16), "room for prefill"),
+        (CacheSettings(kv_block_size=0), "--kv-block-size must be >= 1"),
+        (SpeculationSettings(num_speculative_tokens=17), "between 1 and 16"),
+        (LoraSettings(max_lora_rank=0), "--max-lora-rank must be between 1 and 256"),
+        (ServerSettings(drain_seconds=-1), "must not be negative"),
+        (TelemetrySettings(log_payloads="hash"), "needs --payload-logger-url"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            group.check()
+        with pytest.raises(ValueError, match=message):  # and Settings' check runs it
+            changed: dict[str, Any] = {GROUP_OF[fields(group)[0].name]: group}
+            replace(Settings(), **changed).check()
+    for kind in GROUPS.values():
+        kind().check()  # the defaults are served
+
+
 def test_inconsistent_limits_are_refused() -> None:
     with pytest.raises(ValueError):
         Settings.from_sources(["--default-max-tokens", "100", "--max-tokens-limit", "10"], {})
@@ -81,8 +140,8 @@ def test_inconsistent_limits_are_refused() -> None:
 
 def test_kernel_forces_a_runner_kernel_and_the_autotune_cache_is_a_folder() -> None:
     settings = Settings.from_sources(["--kernel", "native_i8_avx2", "--autotune-cache", ""], {})
-    assert settings.kernel == "native_i8_avx2" and settings.autotune_dir is None
-    assert Settings().autotune_dir == Path(Settings().autotune_cache)
+    assert settings.model.kernel == "native_i8_avx2" and settings.model.autotune_dir is None
+    assert Settings().model.autotune_dir == Path(Settings().model.autotune_cache)
     with pytest.raises(SystemExit):
         Settings.from_sources(["--kernel", "fastest"], {})
 
@@ -91,9 +150,9 @@ def test_the_default_thread_count_leaves_one_core_to_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for cpus, threads in ((1, 1), (2, 1), (16, 15)):
-        monkeypatch.setattr(config, "usable_cpus", lambda n=cpus: n)
-        assert Settings().torch_threads == threads
-    assert Settings(threads=2).torch_threads == 2
+        monkeypatch.setattr(model_module, "usable_cpus", lambda n=cpus: n)
+        assert Settings().model.torch_threads == threads
+    assert Settings(ModelSettings(threads=2)).model.torch_threads == 2
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity: Linux")
@@ -133,14 +192,14 @@ def test_opentelemetry_variables_and_payload_settings() -> None:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318",
            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}  # fmt: skip
     s = Settings.from_sources([], env)
-    assert (s.otlp_traces_endpoint, s.otlp_traces_protocol) == (
+    assert (s.telemetry.otlp_traces_endpoint, s.telemetry.otlp_traces_protocol) == (
         "http://collector:4318/v1/traces", "http/protobuf"
     )  # fmt: skip
     s = Settings.from_sources([], {**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:1/x"})
-    assert s.otlp_traces_endpoint == "http://t:1/x"
+    assert s.telemetry.otlp_traces_endpoint == "http://t:1/x"
     s = Settings.from_sources(["--otlp-traces-endpoint", "http://a:4317"], env)
-    assert s.otlp_traces_endpoint == "http://a:4317"
-    assert Settings.from_sources([], {}).otlp_traces_endpoint == ""
+    assert s.telemetry.otlp_traces_endpoint == "http://a:4317"
+    assert Settings.from_sources([], {}).telemetry.otlp_traces_endpoint == ""
     with pytest.raises(ValueError, match="payload-logger-url"):
         Settings.from_sources(["--log-payloads", "hash"], {})
     with pytest.raises(SystemExit):
@@ -150,17 +209,21 @@ def test_opentelemetry_variables_and_payload_settings() -> None:
 def test_vllm_flag_names_set_the_same_settings(tmp_path: Path) -> None:
     """What `vllm serve` is given (KServe's LLMInferenceService passes vLLM's flags)."""
     s = Settings.from_sources(["--port", "8000", "--served-model-name", "smollm"], {})
-    assert s.http_port == 8000 and s.model_name == "smollm" and s.model_aliases == ()
+    assert (
+        s.server.http_port == 8000
+        and s.model.model_name == "smollm"
+        and s.model.model_aliases == ()
+    )
     # several names: the first is the model's, the others answer too (as vLLM's)
     several = Settings.from_sources(
         ["--served-model-name", "a", "org/a", "--model-aliases", "b"], {}
     )
-    assert several.model_name == "a" and several.model_aliases == ("org/a", "b")
+    assert several.model.model_name == "a" and several.model.model_aliases == ("org/a", "b")
     cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
     cert.write_text("x")
     key.write_text("x")
     tls = Settings.from_sources(["--ssl-certfile", str(cert), "--ssl-keyfile", str(key)], {})
-    assert (tls.ssl_certfile, tls.ssl_keyfile) == (str(cert), str(key))
+    assert (tls.server.ssl_certfile, tls.server.ssl_keyfile) == (str(cert), str(key))
     with pytest.raises(ValueError, match="go together"):
         Settings.from_sources(["--ssl-certfile", str(cert)], {})
     with pytest.raises(ValueError, match="no such file"):
@@ -172,9 +235,9 @@ def test_lora_flags_as_vllm_and_kserves_llminferenceservice_write_them() -> None
             "--lora-modules", '{"name": "sql", "path": "/mnt/lora/sql"}',
             '{"name": "publishers/ns/models/sql", "path": "/mnt/lora/sql"}', "chat=/adapters/chat"]  # fmt: skip
     s = Settings.from_sources(argv, {})
-    assert s.adapters == [("sql", "/mnt/lora/sql"), ("publishers/ns/models/sql", "/mnt/lora/sql"),
+    assert s.lora.adapters == [("sql", "/mnt/lora/sql"), ("publishers/ns/models/sql", "/mnt/lora/sql"),
                           ("chat", "/adapters/chat")]  # fmt: skip
-    assert (s.max_lora_rank, s.max_loras, s.max_cpu_loras) == (16, 2, 4)
+    assert (s.lora.max_lora_rank, s.lora.max_loras, s.lora.max_cpu_loras) == (16, 2, 4)
     # more adapters than --max-cpu-loras: registered, the least recently used evicted
     assert Settings.from_sources(["--max-cpu-loras", "1", "--lora-modules", "a=/p", "b=/q"], {})
     for bad in (["--lora-modules", "sql"], ["--lora-modules", '{"name": "x"}'],
@@ -201,18 +264,18 @@ KSERVE_ARGV = [
 
 def test_kserves_llminferenceservice_argv_is_taken_whole() -> None:
     s = Settings.from_sources(KSERVE_ARGV, {"PREDICTOR_DRAIN_SECONDS": "5"})
-    assert (s.model_dir, s.model_name, s.model_aliases) == (
+    assert (s.model.model_dir, s.model.model_name, s.model.model_aliases) == (
         Path("/mnt/models"),
         "smol",
         ("publishers/team-a/models/smol",),
     )
-    assert (s.http_port, s.drain_seconds, s.otlp_traces_endpoint) == (
+    assert (s.server.http_port, s.server.drain_seconds, s.telemetry.otlp_traces_endpoint) == (
         8000,
         40,
         "http://otel-collector:4317",
     )
-    assert s.adapters == [("sql", "/mnt/lora/sql")] and s.max_cpu_loras == 4
-    transfer = vllm_args.kv_transfer_config(s.kv_transfer_config)
+    assert s.lora.adapters == [("sql", "/mnt/lora/sql")] and s.lora.max_cpu_loras == 4
+    transfer = vllm_args.kv_transfer_config(s.cache.kv_transfer_config)
     assert transfer is not None and transfer["kv_connector"] == "OffloadingConnector"
     notes = vllm_args.kv_transfer_notes(transfer)
     assert notes[0] == "kv-transfer-config: OffloadingConnector not served, KV stays in RAM"
@@ -225,16 +288,16 @@ def test_vllms_model_block_size_and_shutdown_timeout_set_our_settings() -> None:
     --model-dir counts instead); --block-size is --kv-block-size, --shutdown-timeout is
     --drain-seconds."""
     s = Settings.from_sources(["/m", "--block-size", "64", "--shutdown-timeout", "7"], {})
-    assert (s.model_dir, s.kv_block_size, s.drain_seconds) == (Path("/m"), 64, 7)
-    assert Settings.from_sources(["/b", "--model-dir", "/a"], {}).model_dir == Path("/a")
-    assert Settings.from_sources([], {"PREDICTOR_MODEL_DIR": "/e"}).model_dir == Path("/e")
+    assert (s.model.model_dir, s.cache.kv_block_size, s.server.drain_seconds) == (Path("/m"), 64, 7)
+    assert Settings.from_sources(["/b", "--model-dir", "/a"], {}).model.model_dir == Path("/a")
+    assert Settings.from_sources([], {"PREDICTOR_MODEL_DIR": "/e"}).model.model_dir == Path("/e")
     for stray in (["/a", "/b"], ["--model-dir", "/a", "/b"], ["--no-enable-grpc", "/b"]):
         with pytest.raises(SystemExit):  # a word no flag takes, but the first
             Settings.from_sources(stray, {})
 
 
 def test_kv_transfer_config_must_be_a_json_object() -> None:
-    assert Settings.from_sources([], {}).kv_transfer_config == ""
+    assert Settings.from_sources([], {}).cache.kv_transfer_config == ""
     for bad, words in (("{kv_connector: x}", "is not JSON"), ('["x"]', "JSON object"),
                        ('"x"', "JSON object")):  # fmt: skip
         with pytest.raises(ValueError, match=f"--kv-transfer-config.*{words}"):
@@ -247,7 +310,7 @@ def test_kv_transfer_config_must_be_a_json_object() -> None:
 
 def test_lora_modules_json_takes_vllms_keys_only() -> None:
     entry = '{"name": "sql", "path": "/p", "base_model_name": "smol"}'
-    assert Settings.from_sources(["--lora-modules", entry], {}).adapters == [("sql", "/p")]
+    assert Settings.from_sources(["--lora-modules", entry], {}).lora.adapters == [("sql", "/p")]
     with pytest.raises(ValueError, match="unknown key.*rank"):
         Settings.from_sources(["--lora-modules", '{"name": "a", "path": "/p", "rank": 8}'], {})
 
@@ -275,16 +338,16 @@ def test_a_boolean_flag_alone_is_true_and_its_no_form_false(name: str, flag: str
     environment, so that neither can pass by being the default."""
     env = f"PREDICTOR_{name.upper()}"
     negated = "--no-" + flag.removeprefix("--")
-    assert getattr(Settings.from_sources([flag], {env: "false"}), name) is True
-    assert getattr(Settings.from_sources([negated], {env: "true"}), name) is False
+    assert setting(Settings.from_sources([flag], {env: "false"}), name) is True
+    assert setting(Settings.from_sources([negated], {env: "true"}), name) is False
     # alone before another flag, and last: the next flag is not taken for its value
     alone = Settings.from_sources([flag, "--http-port", "9000"], {env: "0"})
-    assert getattr(alone, name) is True and alone.http_port == 9000
+    assert setting(alone, name) is True and alone.server.http_port == 9000
     before = Settings.from_sources(["--http-port", "9000", negated], {env: "1"})
-    assert getattr(before, name) is False and before.http_port == 9000
+    assert setting(before, name) is False and before.server.http_port == 9000
     # the last one given wins, as with any flag
-    assert getattr(Settings.from_sources([flag, negated], {}), name) is False
-    assert getattr(Settings.from_sources([negated, flag], {}), name) is True
+    assert setting(Settings.from_sources([flag, negated], {}), name) is False
+    assert setting(Settings.from_sources([negated, flag], {}), name) is True
 
 
 @pytest.mark.parametrize(("name", "flag"), SWITCHABLE_FLAGS)
@@ -295,9 +358,9 @@ def test_a_boolean_flag_still_takes_a_value(name: str, flag: str) -> None:
     for words, value in ((vllm_args.TRUE_WORDS, True), (vllm_args.FALSE_WORDS, False)):
         for word in (*words, *(w.upper() for w in words)):
             opposite = {env: str(not value)}
-            assert getattr(Settings.from_sources([flag, word], opposite), name) is value, word
-            assert getattr(Settings.from_sources([f"{flag}={word}"], opposite), name) is value
-            assert getattr(Settings.from_sources([], {env: word}), name) is value, word
+            assert setting(Settings.from_sources([flag, word], opposite), name) is value, word
+            assert setting(Settings.from_sources([f"{flag}={word}"], opposite), name) is value
+            assert setting(Settings.from_sources([], {env: word}), name) is value, word
 
 
 @pytest.mark.parametrize(("name", "flag"), BOOLEAN_FLAGS)
@@ -358,7 +421,7 @@ def test_batch_invariant_is_always_on() -> None:
     every true form; determinism cannot be turned off, so false is refused, naming why."""
     for argv, env in (([], {}), (["--batch-invariant"], {}), (["--batch-invariant", "true"], {}),
                       ([], {"PREDICTOR_BATCH_INVARIANT": "1"})):  # fmt: skip
-        assert Settings.from_sources(argv, env).batch_invariant is True
+        assert Settings.from_sources(argv, env).model.batch_invariant is True
     for argv, env in ((["--no-batch-invariant"], {}), (["--batch-invariant=false"], {}),
                       ([], {"PREDICTOR_BATCH_INVARIANT": "off"})):  # fmt: skip
         with pytest.raises(ValueError, match="determinism is always on"):
@@ -366,24 +429,24 @@ def test_batch_invariant_is_always_on() -> None:
 
 
 def publishing(config: str) -> bool:
-    events = Settings.from_sources(["--kv-events-config", config], {}).kv_events
+    events = Settings.from_sources(["--kv-events-config", config], {}).cache.kv_events
     return events is not None and events.publishing
 
 
 def test_kv_events_config_is_vllms_json() -> None:
     config = '{"enable_kv_cache_events": true, "publisher": "zmq", "topic": "kv@1.2.3.4:8000@m"}'
-    events = Settings.from_sources(["--kv-events-config", config], {}).kv_events
+    events = Settings.from_sources(["--kv-events-config", config], {}).cache.kv_events
     assert events is not None and events.publishing and events.topic == "kv@1.2.3.4:8000@m"
     defaults = (events.endpoint, events.replay_endpoint, events.buffer_steps, events.hwm)
     assert defaults == ("tcp://*:5557", None, 10_000, 100_000)  # vLLM's
-    assert Settings.from_sources([], {}).kv_events is None
+    assert Settings.from_sources([], {}).cache.kv_events is None
     # enabled without a publisher: zmq (vLLM's rule); "null" or not enabled: nothing published
     assert publishing('{"enable_kv_cache_events": true}')
     assert not publishing('{"enable_kv_cache_events": true, "publisher": "null"}')
     assert not publishing('{"topic": "t"}')
     env = {"PREDICTOR_KV_EVENTS_CONFIG": config, "PREDICTOR_PREFIX_CACHING_HASH_ALGO": "builtin"}
     s = Settings.from_sources([], env)
-    assert s.kv_events is not None and s.prefix_caching_hash_algo == "builtin"
+    assert s.cache.kv_events is not None and s.cache.prefix_caching_hash_algo == "builtin"
 
 
 @pytest.mark.parametrize(
@@ -408,12 +471,12 @@ def test_kv_events_need_the_prefix_cache_and_a_known_hash() -> None:
 
 
 def test_the_disk_prefix_cache_is_off_by_default_and_checked() -> None:
-    assert Settings.from_sources([], {}).kv_offload_dir == ""
+    assert Settings.from_sources([], {}).cache.kv_offload_dir == ""
     on = ["--kv-offload-dir", "/var/cache/kv"]
     s = Settings.from_sources([*on, "--kv-offload-size", "0.5"], {})
-    assert (s.kv_offload_dir, s.kv_offload_size) == ("/var/cache/kv", 0.5)
+    assert (s.cache.kv_offload_dir, s.cache.kv_offload_size) == ("/var/cache/kv", 0.5)
     env = {"PREDICTOR_KV_OFFLOAD_DIR": "/d", "PREDICTOR_KV_OFFLOAD_SIZE": "2"}
-    assert Settings.from_sources([], env).kv_offload_size == 2.0
+    assert Settings.from_sources([], env).cache.kv_offload_size == 2.0
     for bad in (["--kv-offload-size", "0"], ["--no-enable-prefix-caching"],
                 ["--prefix-caching-hash-algo", "builtin"]):  # fmt: skip
         with pytest.raises(ValueError, match="--kv-offload-dir needs"):
@@ -423,26 +486,31 @@ def test_the_disk_prefix_cache_is_off_by_default_and_checked() -> None:
 def test_tool_call_parser_takes_the_served_formats_by_vllms_names() -> None:
     from predictor.engine import tool_formats
 
-    assert Settings.from_sources([], {}).tool_call_parser == ""  # the template's
+    assert Settings.from_sources([], {}).model.tool_call_parser == ""  # the template's
     for name in config.TOOL_CALL_PARSERS[1:]:  # each name the flag takes is served
         assert tool_formats.get(name).name in tool_formats.NAMES
-        assert Settings.from_sources(["--tool-call-parser", name], {}).tool_call_parser == name
+        assert (
+            Settings.from_sources(["--tool-call-parser", name], {}).model.tool_call_parser == name
+        )
     assert set(tool_formats.NAMES) <= set(config.TOOL_CALL_PARSERS)
     with pytest.raises(SystemExit):
         Settings.from_sources(["--tool-call-parser", "granite"], {})
     # a vLLM deployment's tool flags start this server as they are
     argv = ["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
-    assert Settings.from_sources(argv, {}).tool_call_parser == "llama3_json"
+    assert Settings.from_sources(argv, {}).model.tool_call_parser == "llama3_json"
 
 
 def test_sleep_flags_are_read_and_checked() -> None:
     settings = Settings.from_sources(["--sleep-idle-seconds", "30", "--enable-sleep-mode"], {})
-    assert settings.sleep_idle_seconds == 30.0 and settings.enable_sleep_mode
+    assert settings.model.sleep_idle_seconds == 30.0 and settings.model.enable_sleep_mode
     env = {"PREDICTOR_SLEEP_IDLE_SECONDS": "5"}
-    assert Settings.from_sources([], env).sleep_idle_seconds == 5.0
-    assert Settings().sleep_idle_seconds == 0 and not Settings().enable_sleep_mode
+    assert Settings.from_sources([], env).model.sleep_idle_seconds == 5.0
+    assert Settings().model.sleep_idle_seconds == 0 and not Settings().model.enable_sleep_mode
     with pytest.raises(ValueError, match="negative"):
-        Settings(sleep_idle_seconds=-1).check()
-    for lora in ({"allow_runtime_lora": True}, {"lora_modules": ("a=/tmp/a",)}):
+        Settings(ModelSettings(sleep_idle_seconds=-1)).check()
+    sleeping = ModelSettings(enable_sleep_mode=True)
+    Settings(sleeping).check()
+    for lora in (LoraSettings(allow_runtime_lora=True), LoraSettings(lora_modules=("a=/tmp/a",))):
+        Settings(lora=lora).check()  # adapters without sleep are served
         with pytest.raises(ValueError, match="LoRA"):
-            Settings(enable_sleep_mode=True, **lora).check()  # type: ignore[arg-type]
+            Settings(sleeping, lora=lora).check()

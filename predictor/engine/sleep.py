@@ -9,7 +9,7 @@ pages go back to the system; a request that arrives, or a wake-up, builds the ru
 `reload` and binds it to the thread (the kernels' choices and libraries read back from the
 autotune's cache, never measured again) before the next step. Requests that arrive meanwhile
 wait in the queue; none fails. No torch here: what a runner is made of is `reload`'s business
-(`__main__.py` wires it).
+(`engine_assembly.py` wires it).
 """
 
 from __future__ import annotations

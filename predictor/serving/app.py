@@ -107,22 +107,22 @@ def forbidden(model_name: str) -> Exception:
 class PredictorServer(ModelServer):
     def __init__(self, settings: Settings) -> None:
         super().__init__(
-            http_port=settings.http_port,
-            grpc_port=settings.grpc_port,
+            http_port=settings.server.http_port,
+            grpc_port=settings.server.grpc_port,
             workers=1,  # one engine per process: scale with replicas, not workers
-            enable_grpc=settings.enable_grpc,
-            grace_period=settings.drain_seconds,
+            enable_grpc=settings.server.enable_grpc,
+            grace_period=settings.server.drain_seconds,
         )
         self.settings = settings
-        self.host = settings.host
+        self.host = settings.server.host
         self.dataplane = PredictorDataPlane(model_registry=self.registered_models)
         internals.install_repository_extension(
             self,
             internals.GuardedRepositoryExtension(
-                self.registered_models, settings.model_control, forbidden
+                self.registered_models, settings.server.model_control, forbidden
             ),
         )
-        self.drain = Drain(self.dataplane, self._engines, settings.drain_seconds, self._stop)
+        self.drain = Drain(self.dataplane, self._engines, settings.server.drain_seconds, self._stop)
 
     def _engines(self) -> list[EngineClient]:
         return [m.llm for m in self.served_models()]
@@ -191,15 +191,15 @@ class PredictorServer(ModelServer):
         handler = stream_handler(
             self.served_model,
             self.served_models,
-            self.settings.max_stream_requests,
-            self.settings.stream_queue_size,
-            self.settings.slow_reader_grace,
+            self.settings.limits.max_stream_requests,
+            self.settings.limits.stream_queue_size,
+            self.settings.limits.slow_reader_grace,
         )
         return internals.PredictorGRPCServer(
             self.host,
             [handler],
-            [DecodeGuard(), MetaBinder(self.settings.tenant_header), StatusInterceptor()],
-            self.settings.max_body_bytes,
+            [DecodeGuard(), MetaBinder(self.settings.telemetry.tenant_header), StatusInterceptor()],
+            self.settings.limits.max_body_bytes,
             self.grpc_port,
             self.dataplane,
             self.model_repository_extension,
@@ -209,6 +209,7 @@ class PredictorServer(ModelServer):
 
     def start(self, models: list[BaseKServeModel]) -> None:
         settings = self.settings
+        limits = settings.limits
         quiet_probes()
         handlers: list[tuple[type[Exception], internals.ExceptionHandler]] = [
             (PredictorError, predictor_error_handler),
@@ -222,13 +223,13 @@ class PredictorServer(ModelServer):
             middleware=[  # innermost first
                 (
                     BodyGuard,
-                    {"max_bytes": settings.max_body_bytes, "max_depth": settings.max_json_depth},
+                    {"max_bytes": limits.max_body_bytes, "max_depth": limits.max_json_depth},
                 ),
                 (DefaultJSONContentType, {}),
                 # Unary JSON is compressed for clients that accept it; Starlette never
                 # compresses text/event-stream, so streams are not held back.
                 (GZipMiddleware, {"minimum_size": GZIP_MINIMUM_BYTES}),
-                (RequestMetaBinder, {"tenant_header": settings.tenant_header}),
+                (RequestMetaBinder, {"tenant_header": settings.telemetry.tenant_header}),
             ],
             routers=[
                 oip.build_router(self.served_model),
@@ -238,11 +239,11 @@ class PredictorServer(ModelServer):
                 build_triton_router(self.served_model, self.served_models),
                 health.build_router(self.dataplane),
                 lora.build_router(
-                    settings.allow_runtime_lora, self._load_adapter, self._unload_adapter
+                    settings.lora.allow_runtime_lora, self._load_adapter, self._unload_adapter
                 ),
                 prefix_cache.build_router(self._reset_prefix_cache),
                 sleep.build_router(
-                    settings.enable_sleep_mode, self._sleep, self._wake_up, self._sleeping
+                    settings.model.enable_sleep_mode, self._sleep, self._wake_up, self._sleeping
                 ),
             ],
             handlers=handlers,
@@ -254,6 +255,6 @@ class PredictorServer(ModelServer):
             handlers,
             self._build_grpc_server if self.enable_grpc else None,
             self.drain.on_signal,
-            settings.ssl_certfile or None,
-            settings.ssl_keyfile or None,
+            settings.server.ssl_certfile or None,
+            settings.server.ssl_keyfile or None,
         )

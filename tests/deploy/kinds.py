@@ -431,7 +431,7 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
         settings = Settings.from_sources(container.get("args") or [], env)
     except (SystemExit, ValueError) as exc:
         return [f"kserve-container: args/env rejected by `python -m predictor`: {exc!r}"]
-    name = served_name(settings.model_name, settings.model_dir)
+    name = served_name(settings.model.model_name, settings.model.model_dir)
     ready = f"/v2/models/{name}/ready"
     for probe in ("readinessProbe", "startupProbe"):
         path = ((container.get(probe) or {}).get("httpGet") or {}).get("path")
@@ -445,7 +445,9 @@ def pod_errors(isvc: Doc, container: Doc, volumes: list[Doc]) -> list[str]:
     for path in ("/tmp", "/home/app/.cache"):
         if mounts.get(path) not in empty_dirs:
             errors.append(f"kserve-container.volumeMounts: {path} is not an emptyDir")
-    errors += timing_errors(isvc, container, settings.request_timeout, settings.drain_seconds)
+    errors += timing_errors(
+        isvc, container, settings.limits.request_timeout, settings.server.drain_seconds
+    )
     resources = container.get("resources") or {}
     memory = (resources.get("requests") or {}).get("memory")
     peak, (low, high) = measured_peak_rss(), MEMORY_HEADROOM

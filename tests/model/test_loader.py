@@ -92,8 +92,10 @@ def test_every_kernel_gives_the_default_kernels_greedy_tokens(
 
 
 def test_default_kernel_is_a_known_kernel_and_a_bad_one_is_refused(tiny_gptq_dir: Path) -> None:
-    assert Settings().kernel in KERNELS
-    assert Settings.from_sources([], {"PREDICTOR_KERNEL": "gptq_torch"}).kernel == "gptq_torch"
+    assert Settings().model.kernel in KERNELS
+    assert (
+        Settings.from_sources([], {"PREDICTOR_KERNEL": "gptq_torch"}).model.kernel == "gptq_torch"
+    )
     with pytest.raises(ValueError, match="--kernel must be one of auto, gptq_torch_aten"):
         Settings.from_sources([], {"PREDICTOR_KERNEL": "marlin"})
     with pytest.raises(CheckpointError, match="unknown kernel 'marlin' \\(choose one of auto"):

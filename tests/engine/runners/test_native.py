@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from predictor import toolchain
-from predictor.config import Settings
+from predictor.config import ModelSettings, Settings
 from predictor.engine.runners import native
 from predictor.engine.runners.model import ModelRunner
 from predictor.engine.step import StepRow
@@ -223,9 +223,9 @@ def test_native_needs_a_bf16_model(tiny_dense: Any) -> None:
 
 
 def test_attention_setting_is_validated() -> None:
-    Settings(attention="torch").check()
+    Settings(ModelSettings(attention="torch")).check()
     with pytest.raises(ValueError, match="--attention"):
-        Settings(attention="fast").check()
+        Settings(ModelSettings(attention="fast")).check()
 
 
 def test_a_failing_compiler_or_temp_folder_is_unavailable_not_a_crash(
