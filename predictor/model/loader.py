@@ -114,8 +114,14 @@ def context_length(config: Any) -> int:
 
 def attention_shape(path: Path) -> tuple[int, int] | None:
     """(head_dim, query heads per KV head) as config.json states them (the runner's native
-    kernels are compiled for these), or None where it nests them (a multimodal config)."""
-    config = json.loads((path / "config.json").read_text())
+    kernels are compiled for these), or None where it nests them (a multimodal config) or
+    cannot be read (check_checkpoint says why, next)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads", heads)  # transformers' default: no grouping
     if not isinstance(heads, int) or not heads or not isinstance(kv_heads, int) or not kv_heads:

@@ -135,3 +135,5 @@ def test_attention_shape_is_read_from_config_json(tmp_path: Path) -> None:
     assert shape({**llama, "num_key_value_heads": 8, "head_dim": 128}) == (128, 4)
     assert shape({"hidden_size": 576, "num_attention_heads": 9}) == (64, 1)
     assert shape({"text_config": llama}) is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert attention_shape(tmp_path) is None and attention_shape(tmp_path / "nothing") is None
