@@ -16,6 +16,7 @@ from typing import Any
 from predictor.config import FUSED_KERNELS, CacheSettings, LoraSettings, Settings
 from predictor.engine.adapters import Adapters
 from predictor.engine.async_engine import AsyncEngine
+from predictor.engine.drafting import Speculation
 from predictor.engine.kv_cache import BlockAllocator, blocks_for
 from predictor.engine.kv_events import BlockHasher, Recorder
 from predictor.engine.kv_offload import ROOT_SEED, Offload
@@ -76,7 +77,7 @@ def build_engine(
             def cost(fed: int, rows: int) -> float | None:
                 return getattr(step_loop.runner, "step_cost", lambda *_: None)(fed, rows)
 
-        speculation = (Proposer(config), Policy(cost))
+        speculation = Speculation(Proposer(config), Policy(cost))
     scheduler = Scheduler(
         settings.scheduler.max_batch_size,
         settings.scheduler.max_waiting,

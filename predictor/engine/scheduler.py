@@ -24,15 +24,14 @@ Thread-safety: adapters add requests from the event loop thread (`add`, `add_all
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from predictor.engine.drafting import Speculation
 from predictor.engine.kv_cache import BlockAllocator, BlockKey, blocks_for
 from predictor.engine.kv_events import Recorder
 from predictor.engine.kv_offload import Offload
 from predictor.engine.request import Request
-from predictor.engine.speculation import Policy, Proposer
 from predictor.engine.step import StepRow
 from predictor.engine.waiting import WaitingQueue, order
 
@@ -90,7 +89,7 @@ class Scheduler:
         allocator: BlockAllocator | None = None,
         max_step_tokens: int = 256,
         prefix_caching: bool = True,
-        speculation: tuple[Proposer, Policy] | None = None,
+        speculation: Speculation | None = None,
         max_loras: int = 0,
         events: Recorder | None = None,
         offload: Offload | None = None,
@@ -149,7 +148,7 @@ class Scheduler:
             self.running.append(request)
             drafts = request.params.speculative and not request.echo_only
             if self.speculation is not None and request.speculation is None and drafts:
-                request.speculation = self.speculation[0].state()
+                request.speculation = self.speculation.proposer.state()
         self._grow(schedule)
         self._plan(schedule)
         if self.offload is not None:  # blocks evicted this step: out before the forward pass
@@ -328,43 +327,14 @@ class Scheduler:
 
     def _drafts(self, decoding: list[Request], budget: int) -> dict[int, list[int]]:
         """Each decoding row's drafts this step (by id), where the policy says they pay."""
-        if self.speculation is None or not decoding:
+        if self.speculation is None:
             return {}
-        proposer, policy = self.speculation
-        limit = proposer.config.max_tokens
-        spare = max(0, budget - len(decoding))
-        candidates, offers = [], []
-        useful = functools.partial(policy.useful, len(decoding))  # what drafting could pay
-        for request in decoding:
-            state = request.speculation
-            left = request.params.max_tokens - len(request.output_ids) - 1
-            if state is None or left <= 0 or spare <= 0:
-                continue
-            tokens = request.prompt_ids + request.output_ids
-            proposed = proposer.propose(state, tokens, request.cache_salt, min(limit, left), useful)
-            proposed = proposed[: self._room(request, len(proposed))]
-            if proposed:
-                candidates.append((request, proposed))
-                offers.append((len(proposed), *state.chances))
-        if not candidates:
-            return {}
-        granted = policy.choose(len(decoding), offers)
-        chosen: dict[int, list[int]] = {}
-        for (request, proposed), count in zip(candidates, granted, strict=True):
-            count = min(count, spare)
-            if count:
-                chosen[id(request)] = proposed[:count]
-                spare -= count
-        return chosen
+        return self.speculation.drafts(decoding, budget, self._room)
 
     def timed(self, schedule: Schedule, seconds: float) -> None:
-        """The step of `schedule` took `seconds` (its forward pass and sampling): what the
-        speculation policy learns a step's cost from (decode steps only: no prompt chunk)."""
-        if self.speculation is None or not schedule.rows:
-            return
-        rows = schedule.decode_rows + schedule.verify_rows
-        if rows == len(schedule.rows):
-            self.speculation[1].observe(rows, schedule.tokens - rows, seconds)
+        """The step of `schedule` took `seconds`: the speculation policy learns from it."""
+        if self.speculation is not None:
+            self.speculation.timed(schedule, seconds)
 
     def _room(self, request: Request, wanted: int) -> int:
         """How many draft positions the row's blocks can hold past its next token, taking at
@@ -441,10 +411,8 @@ class Scheduler:
             self.running = [r for r in self.running if r.finish_reason is None]
             for request in gone:
                 self.free(request)
-                if self.speculation is not None and request.output_ids:
-                    tokens = request.prompt_ids + request.output_ids
-                    self.speculation[0].finished(tokens, len(request.prompt_ids),
-                                                 request.cache_salt)  # fmt: skip
+                if self.speculation is not None:
+                    self.speculation.finished(request)
         return gone
 
     def free(self, request: Request) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from predictor.engine.drafting import Speculation
 from predictor.engine.grammar import Grammars
 from predictor.engine.request import Request
 from predictor.engine.runners.model import ModelRunner
@@ -78,10 +79,10 @@ class Always(Policy):
         return [count for count, *_ in offers]
 
 
-def free_drafts(mode: str = "ngram", k: int = 4) -> tuple[Proposer, Policy]:
+def free_drafts(mode: str = "ngram", k: int = 4) -> Speculation:
     """Drafts every step they are offered, some accepted, some rejected at the first position,
     some after it."""
-    return Corrupting(SpeculationConfig(mode, k)), Always()
+    return Speculation(Corrupting(SpeculationConfig(mode, k)), Always())
 
 
 # -- proposers and policy (no model) --------------------------------------------------------------
@@ -297,7 +298,7 @@ def run(
     tiny: Tiny,
     prompts: list[list[int]],
     params: list[SamplingParams],
-    speculation: Any = None,
+    speculation: Speculation | None = None,
     num_blocks: int = 256,
     block_size: int = 16,
     matchers: list[Any] | None = None,
@@ -364,7 +365,9 @@ def test_the_step_loop_times_each_decode_step_for_the_policy(tiny_dense: Tiny) -
     prompts = copying_prompts(tiny_dense, 5, seed=4)
     params = [SamplingParams(max_tokens=12 + i, ignore_eos=True) for i in range(5)]
     policy = Timed()
-    _, requests, stats = run(tiny_dense, prompts, params, (Corrupting(SpeculationConfig()), policy))
+    _, requests, stats = run(
+        tiny_dense, prompts, params, Speculation(Corrupting(SpeculationConfig()), policy)
+    )
     assert len(policy.steps) < len(stats)  # the steps with a prompt chunk are not timed
     assert all(rows >= 1 and seconds > 0 for rows, _, seconds in policy.steps)
     assert sum(d for _, d, _ in policy.steps) == sum(r.draft_tokens for r in requests) > 0
@@ -517,7 +520,7 @@ def test_on_the_native_kernels_batch_invariant_drafts_change_no_token(bf16: Load
         SamplingParams(max_tokens=22, ignore_eos=True, temperature=1.0, top_k=20, seed=6),
     ]
 
-    def serve(speculation: Any) -> tuple[list[list[int]], list[Request]]:
+    def serve(speculation: Speculation | None) -> tuple[list[list[int]], list[Request]]:
         runner = ModelRunner(
             bf16.model,
             torch.device("cpu"),
@@ -538,7 +541,7 @@ def test_on_the_native_kernels_batch_invariant_drafts_change_no_token(bf16: Load
 
     plain, _ = serve(None)
     oracle = Oracle(SpeculationConfig("ngram", 4), list(zip(prompts, plain, strict=True)))
-    drafted, requests = serve((oracle, Always()))
+    drafted, requests = serve(Speculation(oracle, Always()))
     assert drafted == plain
     assert len({t for row in plain for t in row}) > 20  # not one token repeated
     assert 0 < sum(r.accepted_tokens for r in requests) < sum(r.draft_tokens for r in requests)
