@@ -95,8 +95,9 @@ def build_engine(
     adapters = None if sleep is not None else _adapters(settings.lora, runner, step_loop.run_chore)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, cache.prefix_caching)
     # the KV-cache gauge: the share of the cache's blocks holding tokens now (vLLM's
-    # kv_cache_usage_perc); one integer read at each scrape, never blocking the step loop
-    metrics.track_kv_cache(allocator.usage)
+    # kv_cache_usage_perc), as the step loop last published it: read at each scrape, never
+    # blocking the step loop
+    metrics.track_kv_cache(lambda: step_loop.status().kv_usage)
     max_prompt = limits.max_prompt_tokens or max(1, loaded.context_length - limits.max_tokens_limit)
     budget = settings.model.reasoning_budget
     return AsyncEngine(
@@ -306,6 +307,7 @@ def _adapters(
         lambda slot, a: run_chore(runner.adding_adapter(slot, a.factors, a.scale)),
         lora.remove,
         limit=settings.max_cpu_loras,
+        max_loras=settings.max_loras,
     )
     for name, path in settings.adapters:
         adapters.load(name, path)

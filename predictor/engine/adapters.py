@@ -1,5 +1,6 @@
 """LoRA adapters by name: which are registered (a name and a path: --lora-modules, vLLM's POST
-/v1/load_lora_adapter) and which are resident in a runner slot.
+/v1/load_lora_adapter) and which are resident in a runner slot, made so for the requests
+that name them.
 
 At most `limit` adapters are resident (--max-cpu-loras; 0: any number). A request naming one
 that is not is admitted once it is made resident (read again from its path), in place of the
@@ -8,19 +9,37 @@ evicted. An evicted or unloaded adapter's slot is retired at once (no new reques
 its weights are freed by the step loop once no request uses them. Slots are never reused, so a
 request always runs with the weights it was admitted with.
 
-Thread-safe. Reading runs on worker threads; `reserve` (the only eviction) and `slot` run on the
-event loop, where a request's slot is resolved and the request made visible to `in_use` in one
-step, so an adapter chosen for eviction cannot be one a request is just being admitted with."""
+Thread-safe. Reading runs on worker threads; `make_resident` (with `reserve`, the only
+eviction) and `slot` run on the event loop, where a request's slot is resolved and the request
+made visible to `in_use` in one step, so an adapter chosen for eviction cannot be one a request
+is just being admitted with. Freeing runs on the step loop's thread, which knows every row and
+waiting request (`free_unused`: what they use is read under this lock, so an adapter unloaded
+meanwhile is never freed under a request queued with it)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from functools import partial
 from typing import Any
 
-from predictor.errors import InvalidRequest, ModelMissing
+from predictor.errors import (
+    CheckpointError,
+    EngineUnavailable,
+    InvalidRequest,
+    ModelMissing,
+    Overloaded,
+)
+
+# how long a request waits for a LoRA adapter to be made resident while every resident one is
+# in use (--max-cpu-loras) before it is refused as Overloaded
+ROOM_WAIT_S = 60.0
+
+InUse = Callable[[], Collection[int]]  # the adapter slots requests use now
 
 
 class Adapters:
@@ -30,17 +49,20 @@ class Adapters:
         install: Callable[[int, Any], None],
         remove: Callable[[int], None],
         limit: int = 0,
+        max_loras: int = 0,
     ) -> None:
         self.read = read  # (name, path) -> an adapter; raises a PredictorError saying why not
         self.install = install  # (slot, adapter): resident in the runner (blocking)
         self._remove = remove  # (slot): its weights freed (the step loop's thread)
         self.limit = limit  # most adapters resident at once (--max-cpu-loras; 0: any number)
+        self.max_loras = max_loras  # most adapters in one step (--max-loras; 0: any number)
         self._lock = threading.Lock()
         self._paths: dict[str, str] = {}  # registered: name -> path
         self._resident: OrderedDict[int, str] = OrderedDict()  # slot -> name, least recent first
         self._reserved: set[int] = set()  # slots being installed (they count as resident)
         self._retired: dict[int, str] = {}  # evicted or unloaded, freed once no request uses them
         self._slots = itertools.count(1)
+        self._installing: dict[str, asyncio.Future[None]] = {}  # being made resident
 
     # -- names --------------------------------------------------------------------------------
     def registered(self, name: str) -> bool:
@@ -73,6 +95,21 @@ class Adapters:
         with self._lock:
             return list(self._resident.values())
 
+    def requests(
+        self, running: Sequence[int], waiting: Sequence[int]
+    ) -> tuple[int, list[str], list[str]]:
+        """How many adapters may run at once (--max-loras, --max-cpu-loras, else every one
+        loaded), and the names of those the running and the waiting requests use (their
+        slots given): what vLLM's `lora_requests_info` gauge reports."""
+        bounds = [b for b in (self.max_loras, self.limit) if b]
+        at_once = min(bounds) if bounds else self.count()
+        names = self.names()
+        return (
+            at_once,
+            [names[s] for s in running if s in names],
+            [names[s] for s in waiting if s in names],
+        )
+
     # -- registering (blocking: a worker thread, or the start) --------------------------------
     def load(self, name: str, path: str) -> int | None:
         """Read and check an adapter, register it, and make it resident where there is room
@@ -94,6 +131,14 @@ class Adapters:
             self.commit(name, slot)
         return slot
 
+    async def load_now(self, name: str, path: str) -> None:
+        """`load` off the event loop, at run time: the adapter's files are the client's to fix
+        (InvalidRequest with the reason)."""
+        try:
+            await asyncio.to_thread(self.load, name, path)
+        except CheckpointError as exc:
+            raise InvalidRequest(str(exc), "lora_path") from exc
+
     def unload(self, name: str) -> None:
         """Unregistered at once: new requests naming it are refused; its weights go once no
         request uses them."""
@@ -104,6 +149,53 @@ class Adapters:
                 if held == name:
                     del self._resident[slot]
                     self._retired[slot] = name
+
+    # -- resident for requests (the event loop) -----------------------------------------------
+    async def make_resident(self, names: set[str], in_use: InUse) -> None:
+        """Every one of `names` resident: each that is not is read again and installed in
+        place of the least recently used adapter no request uses (`in_use`), waiting while
+        every resident one is in use (Overloaded after ROOM_WAIT_S)."""
+        if not names:
+            return
+        if self.limit and len(names) > self.limit:
+            raise InvalidRequest(f"{len(names)} LoRA adapters in one request; "
+                                 f"{self.limit} can be resident (--max-cpu-loras)")  # fmt: skip
+        while missing := [n for n in names if self.slot(n) is None]:
+            for name in missing:
+                task = self._installing.get(name)
+                if task is None:
+                    task = asyncio.ensure_future(self._install(name, in_use))
+                    self._installing[name] = task
+                    task.add_done_callback(partial(self._installed, name))
+                await asyncio.shield(task)
+
+    def _installed(self, name: str, _: asyncio.Future[None]) -> None:
+        self._installing.pop(name, None)
+
+    async def _install(self, name: str, in_use: InUse) -> None:
+        if self.path(name) is None:  # unloaded meanwhile: evict nothing for it
+            raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
+        waited = time.monotonic() + ROOM_WAIT_S
+        while (slot := self.reserve(in_use())) is None:
+            if time.monotonic() > waited:
+                raise Overloaded(f"LoRA adapter '{name}' waits for room: the {self.limit} "
+                                 "resident adapters are all in use (--max-cpu-loras)")  # fmt: skip
+            await asyncio.sleep(0.02)
+        try:
+            path = self.path(name)
+            if path is None:
+                raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
+            try:
+                adapter = await asyncio.to_thread(self.read, name, path)
+            except CheckpointError as exc:  # its files changed since it was loaded
+                raise EngineUnavailable(
+                    f"LoRA adapter '{name}' cannot be read again: {exc}"
+                ) from exc
+            await asyncio.to_thread(self.install, slot, adapter)
+        except BaseException:
+            self.release(slot)
+            raise
+        self.commit(name, slot)
 
     # -- making room (reserve on the event loop; install on a worker thread) ------------------
     def reserve(self, in_use: Collection[int]) -> int | None:
@@ -139,11 +231,13 @@ class Adapters:
         """Whether retired adapters' weights wait to be freed (a step's cheap check)."""
         return bool(self._retired)
 
-    def free_unused(self, in_use: Collection[int]) -> None:
+    def free_unused(self, in_use: InUse) -> None:
+        """Free the retired adapters no request uses (`in_use`, read under the lock)."""
         if not self._retired:
             return
         with self._lock:
-            done = [slot for slot in self._retired if slot not in in_use]
+            used = in_use()
+            done = [slot for slot in self._retired if slot not in used]
             for slot in done:
                 del self._retired[slot]
         for slot in done:

@@ -5,9 +5,11 @@ Events cross from the step loop thread to the event loop in one place only: the 
 each step) hands them over with one `loop.call_soon_threadsafe` per step, not one per row. The
 step's stats reach the engine only through that listener, and go on to `on_step` (metrics).
 
-Templating, tokenizing and the checks are the input processor's (engine/input_processor.py), run
-in a worker thread. A request with several prompts is one unit (`generate_all`): admitted whole
-or refused whole.
+What the step thread does is read only through its published `StepLoop.status()` (rows,
+queue, KV usage, the adapters in use, its last progress); requests reach it through
+`StepLoop.add_all`. Templating, tokenizing and the checks are the input processor's
+(engine/input_processor.py), run in a worker thread; LoRA residency is engine/adapters.py's. A
+request with several prompts is one unit (`generate_all`): admitted whole or refused whole.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import contextlib
 import itertools
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
-from functools import partial
 from typing import Any
 
 from predictor.engine.adapters import Adapters
@@ -26,22 +27,12 @@ from predictor.engine.reasoning import ReasoningFormat
 from predictor.engine.request import Request
 from predictor.engine.step import StepStats
 from predictor.engine.step_loop import StepLoop
-from predictor.errors import (
-    CheckpointError,
-    EngineUnavailable,
-    InvalidRequest,
-    ModelMissing,
-    Overloaded,
-)
+from predictor.errors import EngineUnavailable, InvalidRequest, ModelMissing
 from predictor.types import GenerateRequest, TokenEvent
-
-# how long a request waits for a LoRA adapter to be made resident while every resident one is
-# in use (--max-cpu-loras) before it is refused as Overloaded
-ROOM_WAIT_S = 60.0
 
 
 class AsyncEngine:
-    """Implements `EngineClient` over a `StepLoop`."""
+    """Implements `EngineClient` and `AdapterAdmin` over a `StepLoop`."""
 
     def __init__(
         self,
@@ -63,9 +54,7 @@ class AsyncEngine:
     ) -> None:
         self._loop = step_loop
         self._on_stop = on_stop  # after the step loop stops (the KV events' publisher closed)
-        cache = step_loop.scheduler.allocator
-        limits = Limits(max_tokens_limit, max_prompt_tokens, max_prompts, cache.num_blocks,
-                        cache.block_size)  # fmt: skip
+        limits = Limits(max_tokens_limit, max_prompt_tokens, max_prompts, *step_loop.kv_blocks)
         self.inputs = InputProcessor(
             tokenizer, limits, step_loop.eos_ids, grammar_timeout, max_grammar_compiles, adapters,
             reasoning, reasoning_budget,
@@ -74,8 +63,7 @@ class AsyncEngine:
         self._default_timeout = default_timeout
         self._on_step = on_step  # the step stats' next reader (metrics)
         self._adapters = adapters  # LoRA adapters by name (None: the server serves none)
-        self._installing: dict[str, asyncio.Future[None]] = {}  # adapters being made resident
-        self._live: dict[int, Request] = {}
+        self._live: dict[int, Request] = {}  # the event loop's own: read on no other thread
         self._preparing = 0  # requests being tokenized: in flight, not yet in the scheduler
         # this step's events, appended and flushed on the step loop thread only
         self._outbox: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[TokenEvent], TokenEvent]]
@@ -135,8 +123,9 @@ class AsyncEngine:
             return True  # stopped on purpose (drain, unload): readiness says so, not liveness
         if self._started and not self._loop.alive():
             return False
-        stalled = time.monotonic() - self._loop.last_progress > self.stall_seconds
-        return not (self._loop.scheduler.rows() and stalled)
+        status = self._loop.status()
+        stalled = time.monotonic() - status.progress > self.stall_seconds
+        return not (status.running and stalled)
 
     def health(self) -> bool:
         """Accepting requests, the step thread alive and making progress."""
@@ -149,11 +138,11 @@ class AsyncEngine:
 
     def running(self) -> int:
         """Requests holding a batch row (those being prefilled too)."""
-        return self._loop.scheduler.rows()
+        return self._loop.status().running
 
     def waiting(self) -> int:
         """Requests waiting for a batch row, counting those still being tokenized."""
-        return self._loop.scheduler.waiting() + self._preparing
+        return self._loop.waiting() + self._preparing
 
     # -- requests -----------------------------------------------------------------------------
     async def tokenize(self, request: GenerateRequest) -> list[int]:
@@ -191,7 +180,9 @@ class AsyncEngine:
             grammars = iter(compiled)
             # the last wait: from here to the requests in _live, nothing else runs on this
             # event loop, so no eviction can pick the adapters they are given
-            await self._make_resident({r.lora for r in requests if r.lora is not None})
+            if self._adapters is not None:
+                lora = {r.lora for r in requests if r.lora is not None}
+                await self._adapters.make_resident(lora, self._in_use)
             if not self.health():  # drained or stopped while tokenizing
                 raise EngineUnavailable("the engine is not accepting requests")
             loop = asyncio.get_running_loop()
@@ -199,7 +190,7 @@ class AsyncEngine:
                 self._request(r, ids, loop, next(grammars) if r.params.grammar else None, echo)
                 for r, (ids, echo) in zip(requests, prepared, strict=True)
             ]
-            self._loop.scheduler.add_all([queued for queued, _ in made])  # raises Overloaded
+            self._loop.add_all([queued for queued, _ in made])  # raises Overloaded
         finally:
             self._preparing -= len(requests)
         streams = []
@@ -207,7 +198,6 @@ class AsyncEngine:
             key = next(self._keys)
             self._live[key] = request
             streams.append(RequestStream(self, key, request, queue))
-        self._loop.notify()
         return streams
 
     def _request(
@@ -240,36 +230,25 @@ class AsyncEngine:
             if self._on_step is not None:
                 self._on_step(stats)
             if self._adapters is not None and self._adapters.retiring():  # once unused
-                self._adapters.free_unused(self._in_use())
+                self._adapters.free_unused(self._loop.adapters_in_use)
         finally:  # the events go out even when a metrics backend fails
             self._flush()
 
     # -- LoRA adapters at run time ------------------------------------------------------------
     def lora_requests(self) -> tuple[int, list[str], list[str]]:
-        """How many adapters may run at once (--max-loras, --max-cpu-loras, else every one
-        loaded), and those of the running and of the waiting requests (what vLLM's
-        `lora_requests_info` gauge reports)."""
+        """How many adapters may run at once, and those of the running and of the waiting
+        requests (what vLLM's `lora_requests_info` gauge reports)."""
         if self._adapters is None:
             return 0, [], []
-        bounds = [b for b in (self._loop.scheduler.max_loras, self._adapters.limit) if b]
-        at_once = min(bounds) if bounds else self._adapters.count()
-        names = self._adapters.names()
-        running = list(self._loop.scheduler.running)
-        ids = {id(r) for r in running}
-        busy = [names[r.adapter] for r in running if r.adapter in names]
-        waiting = [names[r.adapter] for r in list(self._live.values())
-                   if r.adapter in names and id(r) not in ids]  # fmt: skip
-        return at_once, busy, waiting
+        status = self._loop.status()
+        return self._adapters.requests(status.running_adapters, status.waiting_adapters)
 
     async def load_adapter(self, name: str, path: str) -> None:
         """Read, check and register an adapter, resident where there is room (InvalidRequest
         with the reason)."""
         if self._adapters is None:
             raise InvalidRequest("this server serves no LoRA adapters")
-        try:
-            await asyncio.to_thread(self._adapters.load, name, path)
-        except CheckpointError as exc:  # the adapter's files: the client's to fix
-            raise InvalidRequest(str(exc), "lora_path") from exc
+        await self._adapters.load_now(name, path)
 
     async def unload_adapter(self, name: str) -> None:
         """New requests naming it get a 404 at once; its weights go when no request uses
@@ -279,58 +258,12 @@ class AsyncEngine:
         self._adapters.unload(name)
 
     def _in_use(self) -> set[int]:
-        """The adapter slots of the requests in flight and of the rows still running."""
-        in_use = {r.adapter for r in list(self._live.values())}
-        return in_use | {r.adapter for r in list(self._loop.scheduler.running)}
-
-    async def _make_resident(self, names: set[str]) -> None:
-        """Every one of `names` resident (--max-cpu-loras): each that is not is read again and
-        installed in place of the least recently used adapter no request uses, waiting while
-        every resident one is in use (Overloaded after ROOM_WAIT_S)."""
-        adapters = self._adapters
-        if adapters is None or not names:
-            return
-        if adapters.limit and len(names) > adapters.limit:
-            raise InvalidRequest(f"{len(names)} LoRA adapters in one request; "
-                                 f"{adapters.limit} can be resident (--max-cpu-loras)")  # fmt: skip
-        while missing := [n for n in names if adapters.slot(n) is None]:
-            for name in missing:
-                task = self._installing.get(name)
-                if task is None:
-                    task = asyncio.ensure_future(self._install(name))
-                    self._installing[name] = task
-                    task.add_done_callback(partial(self._installed, name))
-                await asyncio.shield(task)
-
-    def _installed(self, name: str, _: asyncio.Future[None]) -> None:
-        self._installing.pop(name, None)
-
-    async def _install(self, name: str) -> None:
-        adapters = self._adapters
-        assert adapters is not None
-        if adapters.path(name) is None:  # unloaded meanwhile: evict nothing for it
-            raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
-        waited = time.monotonic() + ROOM_WAIT_S
-        while (slot := adapters.reserve(self._in_use())) is None:
-            if time.monotonic() > waited:
-                raise Overloaded(f"LoRA adapter '{name}' waits for room: the {adapters.limit} "
-                                 "resident adapters are all in use (--max-cpu-loras)")  # fmt: skip
-            await asyncio.sleep(0.02)
-        try:
-            path = adapters.path(name)
-            if path is None:
-                raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
-            try:
-                adapter = await asyncio.to_thread(adapters.read, name, path)
-            except CheckpointError as exc:  # its files changed since it was loaded
-                raise EngineUnavailable(
-                    f"LoRA adapter '{name}' cannot be read again: {exc}"
-                ) from exc
-            await asyncio.to_thread(adapters.install, slot, adapter)
-        except BaseException:
-            adapters.release(slot)
-            raise
-        adapters.commit(name, slot)
+        """The adapter slots of the requests in flight, and of the rows and the queue as the
+        step thread last published them (a row it admitted since came from the queue: its
+        request is in flight, or was aborted and needs its adapter no more)."""
+        status = self._loop.status()
+        in_use = {r.adapter for r in self._live.values()}
+        return in_use.union(status.running_adapters, status.waiting_adapters)
 
     def _flush(self) -> None:
         if not self._outbox:

@@ -72,3 +72,18 @@ class StepStats:
     # and the seconds a wake before it took (0: none)
     slept: str = ""
     woke: float = 0.0
+
+
+@dataclass(frozen=True)
+class LoopStatus:
+    """The step loop's state as its thread last published it (`StepLoop.status`): after each
+    step, once a step's rows are scheduled, and at each idle wait. Other threads read this
+    one immutable value instead of the scheduler's lists, which only the step thread changes."""
+
+    running: int = 0  # rows holding a place in the batch (those being prefilled too)
+    waiting: int = 0  # requests in the queue
+    handed: int = 0  # requests handed to the queue by then (`StepLoop.add_all` counts them)
+    kv_usage: float = 0.0  # share of the KV cache's blocks held by rows (0-1)
+    running_adapters: tuple[int, ...] = ()  # each running row's LoRA slot (0: the base model)
+    waiting_adapters: tuple[int, ...] = ()  # each waiting request's LoRA slot
+    progress: float = 0.0  # when the last step or idle wait ended (the loop's clock): liveness

@@ -34,7 +34,7 @@ from predictor.engine.sampling import (
 )
 from predictor.engine.scheduler import Schedule, Scheduler
 from predictor.engine.sleep import ASKED, IDLE, Sleep
-from predictor.engine.step import Runner, StepRow, StepStats
+from predictor.engine.step import LoopStatus, Runner, StepRow, StepStats
 from predictor.types import FinishReason, PromptToken, TokenLogprob, TopLogprob, run_to_end
 
 if TYPE_CHECKING:  # annotations only: the runners run torch
@@ -80,7 +80,10 @@ class StepLoop:
         self._listener: StepListener | None = None  # given by `start`
         # when the last step (or idle wait) ended, for liveness: rows running and no step done
         # for a long time means a hung kernel
-        self.last_progress = clock()
+        self._progress = clock()
+        self._handed = 0  # requests handed to the queue (add_all, the asyncio side's count)
+        # what other threads read (status): replaced whole by the loop's thread, never changed
+        self._status = LoopStatus(progress=self._progress)
         self._wake = threading.Event()
         self._stopping = threading.Event()
         # set once the runner is bound to this thread (its kernels compiled and tuned): until
@@ -124,6 +127,55 @@ class StepLoop:
     def notify(self) -> None:
         self._wake.set()
 
+    # -- what other threads see (any thread) ------------------------------------------------
+    def status(self) -> LoopStatus:
+        """The state the loop's thread last published (one read of one immutable value)."""
+        return self._status
+
+    def add_all(self, requests: list[Request]) -> None:
+        """Queue every one of `requests` or none (Overloaded), and wake the loop."""
+        queue = self.scheduler.queue
+        with queue.lock:  # the count and the queue move together (_publish reads both)
+            self.scheduler.add_all(requests)
+            self._handed += len(requests)
+        self._wake.set()
+
+    def waiting(self) -> int:
+        """Requests in the queue: the published count and those handed to it since."""
+        status = self._status
+        return status.waiting + self._handed - status.handed
+
+    @property
+    def kv_blocks(self) -> tuple[int, int]:
+        """The KV cache's (blocks, tokens a block): fixed at start."""
+        cache = self.scheduler.allocator
+        return cache.num_blocks, cache.block_size
+
+    def adapters_in_use(self) -> set[int]:
+        """The LoRA slots of the running rows and of the waiting requests now (the loop's
+        thread only: between two steps, as the step listener runs)."""
+        scheduler = self.scheduler
+        with scheduler.queue.lock:
+            waiting = {r.adapter for r in scheduler.queue}
+        return waiting | {r.adapter for r in scheduler.running}
+
+    def _publish(self) -> None:
+        """The loop's state for other threads, read on the loop's thread (`status`)."""
+        scheduler = self.scheduler
+        with scheduler.queue.lock:
+            waiting = tuple(r.adapter for r in scheduler.queue)
+            handed = self._handed
+        running = tuple(r.adapter for r in scheduler.running)
+        self._status = LoopStatus(
+            running=len(running),
+            waiting=len(waiting),
+            handed=handed,
+            kv_usage=scheduler.allocator.usage(),
+            running_adapters=running,
+            waiting_adapters=waiting,
+            progress=self._progress,
+        )
+
     def run_chore(self, chore: Chore) -> Any:
         """`chore`'s result, its slices run on the loop's thread, one between two steps (while
         no step runs, one after another: chores.py says why); blocks the calling thread (not
@@ -146,7 +198,8 @@ class StepLoop:
     def _run(self) -> None:
         assert self.runner is not None
         self.runner.bind_thread()
-        self.last_progress = self._busy_at = self._clock()
+        self._progress = self._busy_at = self._clock()
+        self._publish()
         self.prepared.set()
         if self._on_prepared is not None:
             self._on_prepared()
@@ -159,7 +212,8 @@ class StepLoop:
                 if not self._chores:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
-                self.last_progress = self._clock()
+                self._progress = self._clock()
+                self._publish()
                 continue
             if self.runner is None and not self._reload():
                 continue
@@ -169,7 +223,7 @@ class StepLoop:
                 log.exception("engine step failed")
                 self._fail_all("engine step failed")
                 stats = self._stats(Schedule())
-            self.last_progress = self._busy_at = self._clock()
+            self._progress = self._busy_at = self._clock()
             self._tell(stats)
         self._fail_all("engine stopped")
         self._chores.fail_all("engine stopped")  # their callers wait: they are told
@@ -178,6 +232,9 @@ class StepLoop:
         self._tell(self._stats(Schedule()))
 
     def _tell(self, stats: StepStats) -> None:
+        """Publish the loop's status, then hand the listener the stats (its events go out
+        after the status shows where the step left the rows)."""
+        self._publish()
         if self._listener is None:
             return
         try:
@@ -190,6 +247,7 @@ class StepLoop:
         self._retire()
         schedule = self.scheduler.schedule()
         self._start(schedule)
+        self._publish()  # the rows this step runs, seen while it runs
         started = time.perf_counter()
         sampled, verified = self._forward(schedule) if schedule.rows else (0, Verified())
         self.scheduler.timed(schedule, time.perf_counter() - started)

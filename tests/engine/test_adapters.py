@@ -29,9 +29,9 @@ def test_slots_are_never_reused_and_freed_only_when_unused() -> None:
         adapters.load("a", "/a")
     adapters.unload("a")
     assert adapters.slot("a") is None and not adapters.registered("a") and adapters.retiring()
-    adapters.free_unused({1})  # a request still runs with it
+    adapters.free_unused(lambda: {1})  # a request still runs with it
     assert freed == []
-    adapters.free_unused(set())
+    adapters.free_unused(set)
     assert freed == [1] and not adapters.retiring()
     with pytest.raises(CheckpointError):
         adapters.load("c", "bad")
@@ -53,7 +53,7 @@ def test_beyond_the_limit_the_least_recently_used_unused_adapter_is_evicted() ->
     adapters.install(slot, adapters.read("c", "/c"))
     adapters.commit("c", slot)
     assert adapters.resident() == ["a", "c"] and installed[3] == "c"
-    adapters.free_unused(set())
+    adapters.free_unused(set)
     assert freed == [2]  # b's weights, once unused
     # a request uses a (the least recent): c is evicted in its place, never a
     slot = adapters.reserve(in_use={1})
@@ -76,5 +76,5 @@ def test_an_adapter_unloaded_or_failed_while_being_installed_is_freed() -> None:
     slot = adapters.reserve(in_use=set())
     assert slot is not None
     adapters.release(slot)  # its install failed
-    adapters.free_unused(set())
+    adapters.free_unused(set)
     assert sorted(freed) == [1, 2, 3] and adapters.names() == {}

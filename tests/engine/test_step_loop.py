@@ -390,3 +390,27 @@ def test_the_heads_padding_rows_are_never_sampled(tiny_dense: Tiny) -> None:
     assert greedy_sink.token_ids == reference_greedy(tiny_dense, p, 8)
     assert sampled_sink.finish_reason is FinishReason.LENGTH
     assert all(t < vocab for t in sampled_sink.token_ids) and len(sampled_sink.token_ids) == 8
+
+
+def test_the_status_is_published_by_the_step_and_counts_requests_handed_since(
+    tiny_dense: Tiny,
+) -> None:
+    loop = new_loop(tiny_dense.runner(), NO_EOS, max_batch_size=1)
+    first, first_sink = make_sequence(tiny_dense.tokenizer, [5, 6, 7], SamplingParams(max_tokens=3))
+    second, _ = make_sequence(tiny_dense.tokenizer, [8, 9], SamplingParams(max_tokens=3), "b")
+    second.adapter = 4  # a LoRA slot, as the input processor gives it (the tiny runner has none)
+    loop.add_all([first, second])
+    # nothing published yet: the queue's count comes from the requests handed since
+    assert loop.status().waiting == 0 and loop.status().running == 0 and loop.waiting() == 2
+    loop.step()
+    status = loop.status()
+    assert (status.running, status.waiting, loop.waiting()) == (1, 1, 1)
+    assert status.running_adapters == (0,) and status.waiting_adapters == (4,)
+    assert status.kv_usage == loop.scheduler.allocator.usage() > 0
+    assert loop.adapters_in_use() == {0, 4}
+    while not first_sink.done:
+        loop.step()
+    loop.scheduler.drain()
+    loop.step()  # the finished row gone and the queue empty: published as such
+    assert loop.status().running == 0 and loop.waiting() == 0
+    assert loop.status().kv_usage == 0.0
