@@ -153,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("tool calls in the %s format", tool_format.name)
     limits = Limits(settings.limits.default_max_tokens, settings.limits.max_json_depth,
                     tool_format.name, engine.inputs.reasoning is not None)  # fmt: skip
-    predictor = LLMPredictor(name, engine, limits, observer)
+    predictor = LLMPredictor(name, engine, limits, observer, admin=engine)
     adapters = [
         AdapterPredictor(adapter, predictor, path) for adapter, path in settings.lora.adapters
     ]

@@ -1,4 +1,9 @@
-"""The engine's face: the small Protocol every adapter depends on."""
+"""The engine's face: the small Protocols the adapters depend on.
+
+`EngineClient` is what every transport uses: generation, the lifecycle, health, sleep and the
+prefix cache. `AdapterAdmin` is LoRA adapters' administration at run time (vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter, the adapters' gauge): only the server's
+wiring and the base model use it, never a route that generates."""
 
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ class Stream(Protocol):
 
 
 class EngineClient(Protocol):
+    """Generation and the engine's state: what every served model and transport uses."""
+
     def start(self) -> None:
         """Start the step loop (called once the server's event loop runs)."""
         ...
@@ -82,18 +89,6 @@ class EngineClient(Protocol):
         """Requests waiting for a batch row now."""
         ...
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Read, check and make resident a LoRA adapter (InvalidRequest with the reason)."""
-        ...
-
-    def lora_requests(self) -> tuple[int, list[str], list[str]]:
-        """Adapters that may run at once; those of the running and of the waiting requests."""
-        ...
-
-    async def unload_adapter(self, name: str) -> None:
-        """Requests naming it get ModelMissing from now on."""
-        ...
-
     async def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing done) while a row holds blocks."""
         ...
@@ -109,6 +104,22 @@ class EngineClient(Protocol):
 
     def is_sleeping(self) -> bool:
         """Whether the model's weights and KV cache are freed now."""
+        ...
+
+
+class AdapterAdmin(Protocol):
+    """LoRA adapters loaded, unloaded and listed at run time."""
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Read, check and make resident a LoRA adapter (InvalidRequest with the reason)."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Requests naming it get ModelMissing from now on."""
+        ...
+
+    def lora_requests(self) -> tuple[int, list[str], list[str]]:
+        """Adapters that may run at once; those of the running and of the waiting requests."""
         ...
 
 
@@ -229,15 +240,6 @@ class AdapterClient:
 
     def waiting(self) -> int:
         return self.engine.waiting()
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        await self.engine.load_adapter(name, path)
-
-    def lora_requests(self) -> tuple[int, list[str], list[str]]:
-        return self.engine.lora_requests()
-
-    async def unload_adapter(self, name: str) -> None:
-        await self.engine.unload_adapter(name)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.engine.reset_prefix_cache()

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from predictor.config import Settings
-from predictor.engine.client import EngineClient
+from predictor.engine.client import AdapterAdmin, EngineClient
 from predictor.errors import (
     EngineUnavailable,
     Forbidden,
@@ -155,7 +155,7 @@ class PredictorServer(ModelServer):
         if self.registered_models.get_model(name) is not None:
             raise InvalidRequest(f"a model named '{name}' is already served", "lora_name")
         base = self._base_model()
-        await base.llm.load_adapter(name, path)
+        await self._admin(base).load_adapter(name, path)
         adapter = AdapterPredictor(name, base, path)
         adapter.load()
         self.registered_models.update(adapter)
@@ -165,7 +165,7 @@ class PredictorServer(ModelServer):
         model = self.served_model(name)
         if not isinstance(model, AdapterPredictor) or model.lineage is None:
             raise ModelMissing(f"LoRA adapter '{name}' is not loaded")
-        await self._base_model().llm.unload_adapter(name)
+        await self._admin(self._base_model()).unload_adapter(name)
         self.registered_models.unload(name)  # an adapter: nothing of the engine stops
 
     async def _reset_prefix_cache(self) -> bool:
@@ -186,6 +186,12 @@ class PredictorServer(ModelServer):
             if isinstance(model, LLMPredictor) and model.engine:
                 return model
         raise ModelMissing("no model is served")
+
+    @staticmethod
+    def _admin(base: LLMPredictor) -> AdapterAdmin:
+        if base.admin is None:
+            raise InvalidRequest("this server serves no LoRA adapters")
+        return base.admin
 
     def _build_grpc_server(self) -> internals.PredictorGRPCServer:
         handler = stream_handler(

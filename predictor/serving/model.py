@@ -13,7 +13,7 @@ from typing import Any
 from kserve import InferRequest, InferResponse, Model
 from kserve.errors import InvalidInput
 
-from predictor.engine.client import AdapterClient, EngineClient, complete_all
+from predictor.engine.client import AdapterAdmin, AdapterClient, EngineClient, complete_all
 from predictor.errors import PredictorError
 from predictor.observability.observer import ObservedStream, Observer
 from predictor.observability.statistics import InferenceStatistics
@@ -31,13 +31,24 @@ class LLMPredictor(Model):
     # a LoRA adapter's (base model, path it was loaded from): vLLM's `parent` and `root`
     lineage: tuple[str, str] | None = None
 
-    def __init__(self, name: str, llm: EngineClient, limits: Limits, observer: Observer) -> None:
+    def __init__(
+        self,
+        name: str,
+        llm: EngineClient,
+        limits: Limits,
+        observer: Observer,
+        admin: AdapterAdmin | None = None,
+    ) -> None:
+        """`admin`: the engine's LoRA adapters at run time (None: a model of another name, on
+        the base model's engine)."""
         super().__init__(name)
         self.llm = llm
+        self.admin = admin
         self.limits = limits
         self.observer = observer
         observer.metrics.track_engine(llm.running, llm.waiting)
-        observer.metrics.track_lora(llm.lora_requests)
+        if admin is not None:
+            observer.metrics.track_lora(admin.lora_requests)
         observer.metrics.track_ready(lambda: bool(self.ready) and llm.ready())
         self.engine = True  # KServe awaits start_engine() on the server's event loop
 
@@ -128,6 +139,7 @@ class AdapterPredictor(LLMPredictor):
     def __init__(self, name: str, base: LLMPredictor, path: str | None) -> None:
         Model.__init__(self, name)  # not LLMPredictor's: the base model's gauges stand
         self.llm = AdapterClient(base.llm, name if path is not None else None)
+        self.admin = None  # the base model's
         self.limits = base.limits
         self.observer = base.observer
         self.lineage = (base.name, path) if path is not None else None
