@@ -274,7 +274,7 @@ class ObservedStream:
                 "stop": list(p.stop),
                 "grammar": None if p.grammar is None else p.grammar.kind,
                 "tools": request.tools is not None,
-            },  # fmt: skip
+            },
             "prompt": payload_field(asked, mode),
             "response": payload_field("".join(self._seen.text), mode),
             "usage": None

@@ -91,8 +91,8 @@ class PayloadLog:
     def _run(self) -> None:
         """Post each record; while the sink is unreachable, drop (and count) records without
         trying, retrying after 1, 2, 4 ... 30 s, and say so once an outage: a connection
-        attempt and a logged warning a request cost the server's CPU (4% of its tokens/s at
-        C=16, load/bench_tracing.py) for records that were lost anyway."""
+        attempt and a logged warning a request cost the server's CPU (a share of its tokens/s
+        large enough to see, load/bench_tracing.py) for records that were lost anyway."""
         backoff, retry_at = 0.0, 0.0
         with httpx.Client(timeout=POST_TIMEOUT) as client:
             while (record := self._queue.get()) is not None:
@@ -111,8 +111,11 @@ class PayloadLog:
                     error, ok = exc, False
                 if error is not None:
                     if not backoff:
-                        log.warning("payload sink unreachable, records dropped (counted) until "
-                                    "it answers: %s", error)  # fmt: skip
+                        log.warning(
+                            "payload sink unreachable, records dropped (counted) until "
+                            "it answers: %s",
+                            error,
+                        )
                     backoff = min(MAX_BACKOFF, max(1.0, 2 * backoff))
                     retry_at = time.monotonic() + backoff
                 elif backoff:

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from predictor.engine.async_engine import AsyncEngine
 from predictor.engine.client import complete
 from predictor.errors import InvalidRequest
-from predictor.observability.metrics import Metrics
+from predictor.observability.metrics import METRICS, Metrics
 from predictor.observability.observer import Observer
 from predictor.types import GenerateRequest, SamplingParams
 from tests.engine.conftest import Tiny, new_loop
@@ -252,3 +252,22 @@ async def test_prefix_cache_counters_and_cache_config(tiny_dense: Tiny) -> None:
     labels = {"block_size": "4", "num_gpu_blocks": "64", "enable_prefix_caching": "True"}
     assert registry.get_sample_value("vllm:cache_config_info", labels) == 1
     assert registry.get_sample_value("predictor_cache_config_info", labels) == 1
+
+
+def test_every_declared_collector_is_a_typed_attribute_with_its_vllm_copy() -> None:
+    """METRICS is the one table: each row is an attribute `Metrics` declares with its kind (what
+    mypy reads), each name is exported once, and each vLLM name only with vllm_aliases."""
+    registry = CollectorRegistry()
+    metrics = Metrics(registry, "tiny", vllm_aliases=True)
+    declared = Metrics.__annotations__
+    assert [spec.attr for spec in METRICS] == list(declared)
+    for spec in METRICS:
+        assert declared[spec.attr] == spec.kind.__name__
+        assert type(getattr(metrics, spec.attr)) is spec.kind
+    names = [spec.name for spec in METRICS] + [spec.vllm for spec in METRICS if spec.vllm]
+    assert len(set(names)) == len(names)
+    exported = {family.name for family in registry.collect()}
+    assert {name.removesuffix("_total") for name in names} <= exported
+    plain = CollectorRegistry()
+    Metrics(plain, "tiny")
+    assert not any(family.name.startswith("vllm:") for family in plain.collect())
