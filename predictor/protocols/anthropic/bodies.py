@@ -122,8 +122,18 @@ class MessagesBody(Strict):
 FIELD_NAMES = frozenset(
     name
     for model in (
-        CacheControl, TextBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock,
-        RedactedThinkingBlock, Message, Tool, ToolChoice, Metadata, MessagesBody, OutputConfig,
+        CacheControl,
+        TextBlock,
+        ToolUseBlock,
+        ToolResultBlock,
+        ThinkingBlock,
+        RedactedThinkingBlock,
+        Message,
+        Tool,
+        ToolChoice,
+        Metadata,
+        MessagesBody,
+        OutputConfig,
     )
     for name in model.model_fields
-) | {"schema"}  # fmt: skip
+) | {"schema"}

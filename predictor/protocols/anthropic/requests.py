@@ -77,14 +77,22 @@ def decode_messages(
     prompt = chat.chat_prompt(base, turns, tools, tool_format)
     tenant = parsed.metadata.user_id if parsed.metadata is not None else None
     request = replace(
-        prompt, params=sampling, cache_salt=values.cache_salt, tenant=tenant,
-        chat_template_kwargs=variables, thinking_budget=budget,
-    )  # fmt: skip
+        prompt,
+        params=sampling,
+        cache_salt=values.cache_salt,
+        tenant=tenant,
+        chat_template_kwargs=variables,
+        thinking_budget=budget,
+    )
     enabled = parsed.thinking is not None and parsed.thinking.get("type") == "enabled"
     return MessagesRequest(
-        base, parsed.model, request, bool(parsed.stream), tools is not None,
+        base,
+        parsed.model,
+        request,
+        bool(parsed.stream),
+        tools is not None,
         asks_thinking="thinking" if enabled else None,
-    )  # fmt: skip
+    )
 
 
 def _validated(rest: Mapping[str, Any]) -> bodies.MessagesBody:
@@ -217,9 +225,10 @@ def _text(blocks: str | Sequence[bodies.TextBlock]) -> str | list[chat.TextPart]
 def _result_text(block: bodies.ToolResultBlock) -> str:
     """A tool_result's content as a tool turn's text; an error says so first."""
     content = block.content
-    text = "" if content is None else content if isinstance(content, str) else (
-        "\n".join(b.text for b in content)
-    )  # fmt: skip
+    if content is None or isinstance(content, str):
+        text = content or ""
+    else:
+        text = "\n".join(b.text for b in content)
     return f"Error: {text}" if block.is_error else text
 
 
@@ -236,9 +245,10 @@ def _user_turns(i: int, blocks: Sequence[Any]) -> list[chat.Message]:
                 out.append(chat.Message(role="user", content=texts))
                 texts = []
             out.append(
-                chat.Message(role="tool", content=_result_text(block),
-                             tool_call_id=block.tool_use_id)
-            )  # fmt: skip
+                chat.Message(
+                    role="tool", content=_result_text(block), tool_call_id=block.tool_use_id
+                )
+            )
         else:
             raise InvalidRequest(
                 f"'messages[{i}].content[{j}]': a {block.type} block is only for assistant "
@@ -261,10 +271,11 @@ def _assistant_turn(i: int, blocks: Sequence[Any]) -> chat.Message | None:
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(
                 chat.AssistantToolCall(
-                    id=block.id, type="function",
+                    id=block.id,
+                    type="function",
                     function=chat.CalledFunction(name=block.name, arguments=arguments),
                 )
-            )  # fmt: skip
+            )
         elif isinstance(block, bodies.ToolResultBlock):
             raise InvalidRequest(
                 f"'messages[{i}].content[{j}]': a tool_result block is only for user messages",

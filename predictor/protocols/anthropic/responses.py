@@ -100,8 +100,9 @@ class ContentBuilder:
                 out.append(self._delta({"type": "text_delta", "text": piece.text}))
             elif piece.kind == "call":
                 self.called = True
-                out += self._start({"type": "tool_use", "id": tool_use_id(), "name": piece.text,
-                                    "input": {}})  # fmt: skip
+                out += self._start(
+                    {"type": "tool_use", "id": tool_use_id(), "name": piece.text, "input": {}}
+                )
             elif piece.kind == "arguments" and piece.text:
                 self._arguments[-1] += piece.text
                 out.append(self._delta({"type": "input_json_delta", "partial_json": piece.text}))
@@ -137,10 +138,15 @@ def _message(
     request: MessagesRequest, content: list[dict[str, Any]], usage: Usage
 ) -> dict[str, Any]:
     return {
-        "id": request.id, "type": "message", "role": "assistant", "model": request.model,
-        "content": content, "stop_reason": None, "stop_sequence": None,
+        "id": request.id,
+        "type": "message",
+        "role": "assistant",
+        "model": request.model,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
         "usage": usage_body(usage),
-    }  # fmt: skip
+    }
 
 
 def message_body(request: MessagesRequest, completion: Completion) -> dict[str, Any]:

@@ -113,9 +113,12 @@ def _turn(i: int, message: Message) -> dict[str, Any]:
             param = f"{where}.tool_calls[{j}].function.arguments"
             raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from exc
         turn.setdefault("tool_calls", []).append(
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": arguments}}
-        )  # fmt: skip
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": arguments},
+            }
+        )
     return turn
 
 

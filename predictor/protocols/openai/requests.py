@@ -142,11 +142,20 @@ def _without_refused(body: Any, taken: frozenset[str] = frozenset()) -> dict[str
 _FIELD_NAMES = frozenset(
     name
     for model in (
-        CompletionBody, ChatBody, Message, TextPart, StreamOptions, AssistantToolCall,
-        CalledFunction, FunctionDefinition, Tool, NamedToolChoice, NamedFunction,
+        CompletionBody,
+        ChatBody,
+        Message,
+        TextPart,
+        StreamOptions,
+        AssistantToolCall,
+        CalledFunction,
+        FunctionDefinition,
+        Tool,
+        NamedToolChoice,
+        NamedFunction,
     )
     for name in model.model_fields
-)  # fmt: skip
+)
 
 
 Body = TypeVar("Body", bound=_Common)
@@ -271,10 +280,14 @@ def _choices(
             rid = base if len(prompts) * n == 1 else f"{base}-{i * n + j}"
             out.append(
                 replace(
-                    prompt, request_id=rid, params=params, cache_salt=salt, echo=echo,
+                    prompt,
+                    request_id=rid,
+                    params=params,
+                    cache_salt=salt,
+                    echo=echo,
                     tenant=tenant,
                 )
-            )  # fmt: skip
+            )
     return tuple(out)
 
 
@@ -293,12 +306,19 @@ def decode_completion(body: Any, default_max_tokens: int) -> OpenAIRequest:
     base = f"cmpl-{uuid.uuid4().hex}"
     prompts = _prompts(base, parsed.prompt)
     return OpenAIRequest(
-        "completion", base, parsed.model, int(time.time()), n,
-        _choices(base, prompts, n, sampling, values.cache_salt, echo, parsed.user), stream,
+        "completion",
+        base,
+        parsed.model,
+        int(time.time()),
+        n,
+        _choices(base, prompts, n, sampling, values.cache_salt, echo, parsed.user),
+        stream,
         include_usage,
         parsed.logprobs is not None,
-        bool(parsed.return_tokens_as_token_ids), echo=echo, prompt_logprobs=asked,
-    )  # fmt: skip
+        bool(parsed.return_tokens_as_token_ids),
+        echo=echo,
+        prompt_logprobs=asked,
+    )
 
 
 def _check_prompt_logprobs(sampling: SamplingParams, stream: bool, echo: bool) -> int | None:
@@ -397,13 +417,20 @@ def decode_chat(body: Any, default_max_tokens: int, tool_format: str = "hermes")
         thinking_budget=parsed.thinking_token_budget,
     )
     return OpenAIRequest(
-        "chat", base, parsed.model, int(time.time()), n,
-        _choices(base, [prompt], n, sampling, values.cache_salt, tenant=parsed.user), stream,
+        "chat",
+        base,
+        parsed.model,
+        int(time.time()),
+        n,
+        _choices(base, [prompt], n, sampling, values.cache_salt, tenant=parsed.user),
+        stream,
         include_usage,
         k is not None,
         bool(parsed.return_tokens_as_token_ids),
-        tools is not None, prompt_logprobs=asked, asks_thinking=asks_thinking(parsed),
-    )  # fmt: skip
+        tools is not None,
+        prompt_logprobs=asked,
+        asks_thinking=asks_thinking(parsed),
+    )
 
 
 # reasoning efforts that zero thinking satisfies: any model honours them

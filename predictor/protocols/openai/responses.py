@@ -68,11 +68,12 @@ def _message(request: OpenAIRequest, text: str) -> tuple[ChatCompletionMessage, 
     if calls:
         message.tool_calls = [
             ChatCompletionMessageFunctionToolCall(
-                id=call_id(), type="function",
+                id=call_id(),
+                type="function",
                 function=Function(name=c.name, arguments=c.arguments),
             )
             for c in calls
-        ]  # fmt: skip
+        ]
     return message, bool(calls)
 
 
@@ -128,10 +129,12 @@ def _usage(request: OpenAIRequest, usages: Sequence[Usage]) -> CompletionUsage:
             accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected
         )
     return CompletionUsage(
-        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
         completion_tokens_details=details,
-    )  # fmt: skip
+    )
 
 
 def _choice_extras(request: OpenAIRequest, c: Completion) -> dict[str, Any]:
@@ -182,10 +185,12 @@ def chat_response(request: OpenAIRequest, results: Sequence[Completion]) -> str:
         )
         choices.append(
             chat.Choice(
-                index=i, message=message, logprobs=logprobs,
+                index=i,
+                message=message,
+                logprobs=logprobs,
                 finish_reason=chat_finish(c.finish_reason, called),
             )
-        )  # fmt: skip
+        )
     body = ChatCompletion(
         id=request.id,
         object="chat.completion",
@@ -289,10 +294,12 @@ class ChunkEncoder:
                 ids.append(call_id())
                 calls.append(
                     chunk.ChoiceDeltaToolCall(
-                        index=d.index, id=ids[d.index], type="function",
+                        index=d.index,
+                        id=ids[d.index],
+                        type="function",
                         function=chunk.ChoiceDeltaToolCallFunction(name=d.text, arguments=""),
                     )
-                )  # fmt: skip
+                )
             elif d.kind == "arguments":
                 if calls and calls[-1].index == d.index and calls[-1].function is not None:
                     calls[-1].function.arguments = (calls[-1].function.arguments or "") + d.text

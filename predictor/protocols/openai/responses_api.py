@@ -50,11 +50,24 @@ from predictor.types import GenerateRequest
 
 # The parameter table's keys a Responses body takes: OpenAI's, then vLLM's extensions.
 # max_output_tokens is the table's max_tokens; text.format its response format.
-TABLE_KEYS = frozenset({
-    "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
-    "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "priority", "cache_salt",
-    "speculative",
-})  # fmt: skip
+TABLE_KEYS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+        "priority",
+        "cache_salt",
+        "speculative",
+    }
+)
 RENAMES = {"max_output_tokens": "max_tokens"}
 MAX_ITEMS = 1024
 
@@ -179,11 +192,20 @@ _ITEMS: dict[str, type[Strict]] = {
 _FIELD_NAMES = frozenset(
     name
     for model in (
-        ResponsesBody, TextConfig, Reasoning, StreamOptions, InputText, MessageItem,
-        FunctionCallItem, FunctionCallOutputItem, FunctionTool, FunctionChoice, ReasoningItem,
+        ResponsesBody,
+        TextConfig,
+        Reasoning,
+        StreamOptions,
+        InputText,
+        MessageItem,
+        FunctionCallItem,
+        FunctionCallOutputItem,
+        FunctionTool,
+        FunctionChoice,
+        ReasoningItem,
     )
     for name in model.model_fields
-)  # fmt: skip
+)
 
 
 # -- our view of a request ----------------------------------------------------------------------
@@ -300,9 +322,9 @@ def _text(content: str | Sequence[InputText]) -> str:
 def _messages(instructions: str | None, given: str | list[dict[str, Any]]) -> list[Message]:
     """`instructions` and `input` as chat messages: function calls join the assistant turn
     they follow, their outputs are tool turns."""
-    out: list[Message] = [] if instructions is None else [
-        Message(role="system", content=instructions)
-    ]  # fmt: skip
+    out: list[Message] = (
+        [] if instructions is None else [Message(role="system", content=instructions)]
+    )
     if isinstance(given, str):
         return [*out, Message(role="user", content=given)]
     for i, value in enumerate(given):
@@ -320,9 +342,10 @@ def _messages(instructions: str | None, given: str | list[dict[str, Any]]) -> li
                 param = f"input[{i}].arguments"
                 raise InvalidRequest(f"'{param}' is not valid JSON", param=param) from exc
             call = AssistantToolCall(
-                id=item.call_id, type="function",
+                id=item.call_id,
+                type="function",
                 function=CalledFunction(name=item.name, arguments=item.arguments),
-            )  # fmt: skip
+            )
             last = out[-1] if out else None
             if last is not None and last.role == "assistant":
                 out[-1] = last.model_copy(update={"tool_calls": [*(last.tool_calls or []), call]})
@@ -392,9 +415,12 @@ def decode_responses(
     ]
     try:
         tools, sampling = tool_setup(
-            chat_tools, _tool_choice(parsed.tool_choice), parsed.parallel_tool_calls,
-            replace(values.sampling, grammar=grammar), tool_format,
-        )  # fmt: skip
+            chat_tools,
+            _tool_choice(parsed.tool_choice),
+            parsed.parallel_tool_calls,
+            replace(values.sampling, grammar=grammar),
+            tool_format,
+        )
     except InvalidRequest as exc:  # chat's names, said as Responses names them
         param = "tool_choice.name" if exc.param == "tool_choice.function.name" else exc.param
         raise InvalidRequest(str(exc), param=param) from exc
@@ -402,14 +428,25 @@ def decode_responses(
     turns = conversation(_messages(parsed.instructions, parsed.input))
     prompt = chat_prompt(base, turns, tools, tool_format)
     request = replace(
-        prompt, params=sampling, cache_salt=values.cache_salt, tenant=parsed.user,
+        prompt,
+        params=sampling,
+        cache_salt=values.cache_salt,
+        tenant=parsed.user,
         chat_template_kwargs=variables,
-    )  # fmt: skip
+    )
     return ResponsesRequest(
-        base, parsed.model, int(time.time()), request, bool(parsed.stream),
+        base,
+        parsed.model,
+        int(time.time()),
+        request,
+        bool(parsed.stream),
         tuple(t.model_dump(exclude_none=True) for t in functions),
         parsed.tool_choice if parsed.tool_choice is not None else "auto",
-        parsed.parallel_tool_calls is not False, text_format, parsed.instructions,
-        body.get("max_output_tokens"), parsed.metadata, parsed.user,
+        parsed.parallel_tool_calls is not False,
+        text_format,
+        parsed.instructions,
+        body.get("max_output_tokens"),
+        parsed.metadata,
+        parsed.user,
         "reasoning.effort" if effort is not None and effort not in NO_THINKING_EFFORTS else None,
-    )  # fmt: skip
+    )

@@ -68,18 +68,30 @@ class _Item:
     def body(self) -> dict[str, Any]:
         if self.kind == "function_call":
             return {
-                "type": "function_call", "id": self.id, "call_id": self.call_id,
-                "name": self.name, "arguments": self.text, "status": self.status,
-            }  # fmt: skip
+                "type": "function_call",
+                "id": self.id,
+                "call_id": self.call_id,
+                "name": self.name,
+                "arguments": self.text,
+                "status": self.status,
+            }
         if self.kind == "reasoning":  # the text as reasoning_text content; no summary
             thought = [] if self.status == "in_progress" else [_thought(self.text)]
-            return {"type": "reasoning", "id": self.id, "summary": [], "content": thought,
-                    "status": self.status}  # fmt: skip
+            return {
+                "type": "reasoning",
+                "id": self.id,
+                "summary": [],
+                "content": thought,
+                "status": self.status,
+            }
         content = [] if self.status == "in_progress" else [_part(self.text)]
         return {
-            "type": "message", "id": self.id, "role": "assistant", "status": self.status,
+            "type": "message",
+            "id": self.id,
+            "role": "assistant",
+            "status": self.status,
             "content": content,
-        }  # fmt: skip
+        }
 
 
 def _part(text: str) -> dict[str, Any]:
@@ -135,15 +147,27 @@ class ResponseEncoder:
             events += self._close()
             item = self._add(_Item("reasoning", _id("rs")))
             events.append(self._added_event(item))
-            events.append(self._event(
-                ResponseContentPartAddedEvent, "response.content_part.added", item_id=item.id,
-                output_index=len(self.items) - 1, content_index=0, part=_thought(""),
-            ))  # fmt: skip
+            events.append(
+                self._event(
+                    ResponseContentPartAddedEvent,
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    part=_thought(""),
+                )
+            )
         item.text += text
-        events.append(self._event(
-            ResponseReasoningTextDeltaEvent, "response.reasoning_text.delta", item_id=item.id,
-            output_index=len(self.items) - 1, content_index=0, delta=text,
-        ))  # fmt: skip
+        events.append(
+            self._event(
+                ResponseReasoningTextDeltaEvent,
+                "response.reasoning_text.delta",
+                item_id=item.id,
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+            )
+        )
         return events
 
     def text(self, text: str, final: bool) -> list[Event]:
@@ -185,17 +209,30 @@ class ResponseEncoder:
             events += self._close()
             item = self._add(_Item("message", _id("msg")))
             events.append(self._added_event(item))
-            events.append(self._event(
-                ResponseContentPartAddedEvent, "response.content_part.added", item_id=item.id,
-                output_index=len(self.items) - 1, content_index=0, part=_part(""),
-            ))  # fmt: skip
+            events.append(
+                self._event(
+                    ResponseContentPartAddedEvent,
+                    "response.content_part.added",
+                    item_id=item.id,
+                    output_index=len(self.items) - 1,
+                    content_index=0,
+                    part=_part(""),
+                )
+            )
         if not text:
             return events
         item.text += text
-        events.append(self._event(
-            ResponseTextDeltaEvent, "response.output_text.delta", item_id=item.id,
-            output_index=len(self.items) - 1, content_index=0, delta=text, logprobs=[],
-        ))  # fmt: skip
+        events.append(
+            self._event(
+                ResponseTextDeltaEvent,
+                "response.output_text.delta",
+                item_id=item.id,
+                output_index=len(self.items) - 1,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        )
         return events
 
     def _start_call(self, name: str) -> list[Event]:
@@ -207,10 +244,15 @@ class ResponseEncoder:
         item = self._open
         assert item is not None and item.kind == "function_call", "arguments outside a call"
         item.text += text
-        return [self._event(
-            ResponseFunctionCallArgumentsDeltaEvent, "response.function_call_arguments.delta",
-            item_id=item.id, output_index=len(self.items) - 1, delta=text,
-        )]  # fmt: skip
+        return [
+            self._event(
+                ResponseFunctionCallArgumentsDeltaEvent,
+                "response.function_call_arguments.delta",
+                item_id=item.id,
+                output_index=len(self.items) - 1,
+                delta=text,
+            )
+        ]
 
     def _add(self, item: _Item) -> _Item:
         self.items.append(item)
@@ -219,9 +261,11 @@ class ResponseEncoder:
 
     def _added_event(self, item: _Item) -> Event:
         return self._event(
-            ResponseOutputItemAddedEvent, "response.output_item.added",
-            output_index=self.items.index(item), item=item.body(),
-        )  # fmt: skip
+            ResponseOutputItemAddedEvent,
+            "response.output_item.added",
+            output_index=self.items.index(item),
+            item=item.body(),
+        )
 
     def _close(self, status: Status = "completed") -> list[Event]:
         """The open item's done events."""
@@ -234,34 +278,60 @@ class ResponseEncoder:
         if item.kind == "reasoning":
             events += [
                 self._event(
-                    ResponseReasoningTextDoneEvent, "response.reasoning_text.done",
-                    item_id=item.id, output_index=index, content_index=0, text=item.text,
+                    ResponseReasoningTextDoneEvent,
+                    "response.reasoning_text.done",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    text=item.text,
                 ),
                 self._event(
-                    ResponseContentPartDoneEvent, "response.content_part.done", item_id=item.id,
-                    output_index=index, content_index=0, part=_thought(item.text),
+                    ResponseContentPartDoneEvent,
+                    "response.content_part.done",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    part=_thought(item.text),
                 ),
-            ]  # fmt: skip
+            ]
         elif item.kind == "message":
             events += [
                 self._event(
-                    ResponseTextDoneEvent, "response.output_text.done", item_id=item.id,
-                    output_index=index, content_index=0, text=item.text, logprobs=[],
+                    ResponseTextDoneEvent,
+                    "response.output_text.done",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    text=item.text,
+                    logprobs=[],
                 ),
                 self._event(
-                    ResponseContentPartDoneEvent, "response.content_part.done", item_id=item.id,
-                    output_index=index, content_index=0, part=_part(item.text),
+                    ResponseContentPartDoneEvent,
+                    "response.content_part.done",
+                    item_id=item.id,
+                    output_index=index,
+                    content_index=0,
+                    part=_part(item.text),
                 ),
-            ]  # fmt: skip
+            ]
         else:
-            events.append(self._event(
-                ResponseFunctionCallArgumentsDoneEvent, "response.function_call_arguments.done",
-                item_id=item.id, output_index=index, arguments=item.text,
-            ))  # fmt: skip
-        events.append(self._event(
-            ResponseOutputItemDoneEvent, "response.output_item.done", output_index=index,
-            item=item.body(),
-        ))  # fmt: skip
+            events.append(
+                self._event(
+                    ResponseFunctionCallArgumentsDoneEvent,
+                    "response.function_call_arguments.done",
+                    item_id=item.id,
+                    output_index=index,
+                    arguments=item.text,
+                )
+            )
+        events.append(
+            self._event(
+                ResponseOutputItemDoneEvent,
+                "response.output_item.done",
+                output_index=index,
+                item=item.body(),
+            )
+        )
         return events
 
     def _finish(self, reason: FinishReason) -> list[Event]:
@@ -286,21 +356,30 @@ class ResponseEncoder:
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         choice = request.tool_choice
         body: dict[str, Any] = {
-            "id": request.id, "object": "response", "created_at": request.created,
-            "model": request.model, "status": status, "error": None,
-            "incomplete_details": incomplete, "instructions": request.instructions,
+            "id": request.id,
+            "object": "response",
+            "created_at": request.created,
+            "model": request.model,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": request.instructions,
             "max_output_tokens": request.max_output_tokens,
             "metadata": dict(request.metadata or {}),
             "output": [i.body() for i in self.items] if status != "in_progress" else [],
-            "parallel_tool_calls": request.parallel_tool_calls, "previous_response_id": None,
+            "parallel_tool_calls": request.parallel_tool_calls,
+            "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None},
-            "temperature": params.temperature, "top_p": params.top_p,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
             "text": {"format": request.text_format},
             "tool_choice": choice if isinstance(choice, str) else dict(choice),
-            "tools": [dict(t) for t in request.tools], "truncation": "disabled",
-            "background": False, "usage": None if usage is None else _usage(usage),
+            "tools": [dict(t) for t in request.tools],
+            "truncation": "disabled",
+            "background": False,
+            "usage": None if usage is None else _usage(usage),
             "user": request.user,
-        }  # fmt: skip
+        }
         return Response.model_validate(body)
 
 

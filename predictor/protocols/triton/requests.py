@@ -67,8 +67,11 @@ def decode_infer_request(request: InferRequest, limits: Limits, streaming: bool)
         if tensor.name in tensors:
             raise InvalidRequest(f"input '{tensor.name}' is given twice")
         tensors[tensor.name] = tensor
-    flags = {name: _scalar(tensors[name], "BOOL") for name in (STREAM, EXCLUDE_INPUT,
-             *RETURN_FLAGS) if name in tensors}  # fmt: skip
+    flags = {
+        name: _scalar(tensors[name], "BOOL")
+        for name in (STREAM, EXCLUDE_INPUT, *RETURN_FLAGS)
+        if name in tensors
+    }
     texts = prompts(request)
     sources: list[tuple[str, Mapping[str, Any]]] = [
         ("parameters", plain_parameters(request.parameters))

@@ -17,8 +17,12 @@ from predictor.protocols.v2 import TEXT_OUTPUT, details, text_response, usage_pa
 from predictor.types import Completion, FinishReason, TokenEvent
 
 # the vLLM backend reports vLLM's finish reasons ("None" until the last response)
-_VLLM_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-                FinishReason.CANCELLED: "abort"}  # fmt: skip
+_VLLM_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",
+}
 
 
 def _finish(reason: FinishReason | None) -> str:

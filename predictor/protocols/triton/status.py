@@ -55,7 +55,7 @@ def model_config(model: ModelView) -> dict[str, Any]:
                 "optional": s.optional,
             }
             for s in INPUTS
-        ],  # fmt: skip
+        ],
         "output": [
             {"name": s.name, "data_type": _data_type(s), "dims": list(s.dims)} for s in OUTPUTS
         ],

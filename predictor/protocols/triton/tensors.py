@@ -27,8 +27,9 @@ FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS = (
     "num_input_tokens",
     "num_output_tokens",
 )
-RETURN_FLAGS = {f"return_{name}": name for name in (FINISH_REASON, NUM_INPUT_TOKENS,
-                                                      NUM_OUTPUT_TOKENS)}  # fmt: skip
+RETURN_FLAGS = {
+    f"return_{name}": name for name in (FINISH_REASON, NUM_INPUT_TOKENS, NUM_OUTPUT_TOKENS)
+}
 PARAMETER_TENSORS = parameters.tensor_rows()  # tensor name -> its parameter
 
 INPUTS: tuple[TensorSpec, ...] = (
@@ -51,6 +52,7 @@ OUTPUTS: tuple[TensorSpec, ...] = (
 )
 INPUT_NAMES = frozenset(spec.name for spec in INPUTS)
 OUTPUT_NAMES = frozenset(spec.name for spec in OUTPUTS)
-INTEGER_TYPES = frozenset({"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32",
-                           "UINT64"})  # fmt: skip
+INTEGER_TYPES = frozenset(
+    {"INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"}
+)
 FLOAT_TYPES = frozenset({"FP16", "FP32", "FP64"})

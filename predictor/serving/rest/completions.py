@@ -173,9 +173,10 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
             parsed, prompt = requests.decode_tokenize(body)
             ids = await model.llm.tokenize(prompt)
             answer: dict[str, Any] = {
-                "count": len(ids), "tokens": ids,
+                "count": len(ids),
+                "tokens": ids,
                 "max_model_len": getattr(model.llm, "max_prompt_tokens", None),
-            }  # fmt: skip
+            }
             if parsed.return_token_strs:
                 answer["token_strs"] = [await model.llm.detokenize([t]) for t in ids]
             return JSONResponse(answer)
@@ -199,13 +200,17 @@ def build_router(resolve: Resolve, names: Callable[[], Sequence[str]]) -> APIRou
     ok = "OK (text/event-stream with stream: true)"
     for prefix in OPENAI_PREFIXES:
         router.add_api_route(
-            f"{prefix}/completions", completions, methods=["POST"],
+            f"{prefix}/completions",
+            completions,
+            methods=["POST"],
             openapi_extra=openapi_extra(schemas.COMPLETION_SCHEMA, ERROR_SHAPE, ok=ok),
-        )  # fmt: skip
+        )
         router.add_api_route(
-            f"{prefix}/chat/completions", chat_completions, methods=["POST"],
+            f"{prefix}/chat/completions",
+            chat_completions,
+            methods=["POST"],
             openapi_extra=openapi_extra(schemas.CHAT_SCHEMA, ERROR_SHAPE, ok=ok),
-        )  # fmt: skip
+        )
         router.add_api_route(f"{prefix}/models", models, methods=["GET"])
     router.include_router(responses_api.build_router(resolve))  # OpenAI's Responses API
     return router

@@ -95,11 +95,15 @@ def build_router(resolve: Resolve) -> APIRouter:
     ok = "OK (text/event-stream with stream: true)"
     for prefix in OPENAI_PREFIXES:
         router.add_api_route(
-            f"{prefix}{MESSAGES}", messages, methods=["POST"],
+            f"{prefix}{MESSAGES}",
+            messages,
+            methods=["POST"],
             openapi_extra=openapi_extra(schemas.MESSAGES_SCHEMA, ERROR_SHAPE, ok=ok),
-        )  # fmt: skip
+        )
         router.add_api_route(
-            f"{prefix}{MESSAGES}/count_tokens", count_tokens, methods=["POST"],
+            f"{prefix}{MESSAGES}/count_tokens",
+            count_tokens,
+            methods=["POST"],
             openapi_extra=openapi_extra(schemas.COUNT_TOKENS_SCHEMA, ERROR_SHAPE),
-        )  # fmt: skip
+        )
     return router

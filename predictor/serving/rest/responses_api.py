@@ -41,10 +41,12 @@ def error_event(exc: BaseException, sequence_number: int) -> Event:
     """The Responses API's error event (`type: error`), from OpenAI's error object."""
     error = openai_body(exc)["error"]
     body = {
-        "type": "error", "code": error.get("code") or error.get("type"),
-        "message": error["message"], "param": error.get("param"),
+        "type": "error",
+        "code": error.get("code") or error.get("type"),
+        "message": error["message"],
+        "param": error.get("param"),
         "sequence_number": sequence_number,
-    }  # fmt: skip
+    }
     return "error", json.dumps(body, ensure_ascii=False)
 
 
@@ -111,7 +113,9 @@ def build_router(resolve: Resolve) -> APIRouter:
     ok = "OK (text/event-stream of Responses events with stream: true)"
     for prefix in OPENAI_PREFIXES:
         router.add_api_route(
-            f"{prefix}/responses", responses, methods=["POST"],
+            f"{prefix}/responses",
+            responses,
+            methods=["POST"],
             openapi_extra=openapi_extra(schemas.RESPONSES_SCHEMA, ERROR_SHAPE, ok=ok),
-        )  # fmt: skip
+        )
     return router
