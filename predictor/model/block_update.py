@@ -88,10 +88,16 @@ def _widened(original: Callable[..., Any]) -> Callable[..., Any] | None:
 
 def _dispatch(kernel: Any, cuda_update: Callable[..., None]) -> Callable[..., None]:
     def update(
-        work: torch.Tensor, hinv: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-        column_group: torch.Tensor, quantized: torch.Tensor, errors: torch.Tensor,
-        losses: torch.Tensor, maxq: int,
-    ) -> None:  # fmt: skip
+        work: torch.Tensor,
+        hinv: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        column_group: torch.Tensor,
+        quantized: torch.Tensor,
+        errors: torch.Tensor,
+        losses: torch.Tensor,
+        maxq: int,
+    ) -> None:
         if work.device.type != "cpu":
             cuda_update(work, hinv, scale, zero, column_group, quantized, errors, losses, maxq)
             return
@@ -133,11 +139,23 @@ def run_block(
     ):
         raise ValueError("the block update's tensors do not have gptqmodel's shapes")
     kernel(
-        work.data_ptr(), work.stride(0), hinv.data_ptr(), hinv.stride(0),
-        scale.data_ptr(), zero.data_ptr(), scale.stride(0), group.data_ptr(),
-        quantized.data_ptr(), quantized.stride(0), errors.data_ptr(), errors.stride(0),
-        losses.data_ptr(), losses.stride(0), rows, float(maxq),
-    )  # fmt: skip
+        work.data_ptr(),
+        work.stride(0),
+        hinv.data_ptr(),
+        hinv.stride(0),
+        scale.data_ptr(),
+        zero.data_ptr(),
+        scale.stride(0),
+        group.data_ptr(),
+        quantized.data_ptr(),
+        quantized.stride(0),
+        errors.data_ptr(),
+        errors.stride(0),
+        losses.data_ptr(),
+        losses.stride(0),
+        rows,
+        float(maxq),
+    )
 
 
 @functools.cache

@@ -78,8 +78,9 @@ def accept_rejected(rejected: Path, out: Path | None = None) -> Path:
     its report marked accepted, with the reason it was refused; returns where it went.
     SystemExit naming why where `rejected` is not a kept build."""
     if not (rejected / QUALITY_FILE).is_file():
-        raise SystemExit(f"--accept-rejected {rejected}: not a build a gate refused "
-                         f"(it has no {QUALITY_FILE})")  # fmt: skip
+        raise SystemExit(
+            f"--accept-rejected {rejected}: not a build a gate refused (it has no {QUALITY_FILE})"
+        )
     try:
         quality = json.loads((rejected / QUALITY_FILE).read_text())
     except (OSError, ValueError) as exc:
@@ -87,8 +88,10 @@ def accept_rejected(rejected: Path, out: Path | None = None) -> Path:
             f"--accept-rejected {rejected}: no readable {QUALITY_FILE} ({exc})"
         ) from exc
     if not isinstance(quality, dict) or "rejected" not in quality:
-        raise SystemExit(f"--accept-rejected {rejected}: not a build a gate refused "
-                         f"(its {QUALITY_FILE} records no rejection)")  # fmt: skip
+        raise SystemExit(
+            f"--accept-rejected {rejected}: not a build a gate refused "
+            f"(its {QUALITY_FILE} records no rejection)"
+        )
     if not (rejected / "quantize_config.json").is_file() or not any(rejected.glob("*.safetensors")):
         raise SystemExit(f"--accept-rejected {rejected}: its checkpoint files are missing")
     if out is None:

@@ -21,7 +21,7 @@ def prepare_environment(env: MutableMapping[str, str], hf_home: Path) -> None:
     env.setdefault("GPTQMODEL_CPU_WORKERS", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # pack in torch rather than compile gptqmodel's C++ packing extension on a machine's first
-    # build: 35-40 s against 0.6 s (2-core Xeon, AVX2 held); the checkpoint is the same
+    # build: the compile costs far more than torch's packing; the checkpoint is the same
     env.setdefault(internals.PACK_EXTENSION_OFF, "1")
 
 

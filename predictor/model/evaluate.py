@@ -247,8 +247,15 @@ def evaluate(
     loaded = load_candidate(checkpoint, device, threads, kernel)
     ppl = {name: perplexity(w) for name, w in perplexities(loaded, max_tokens, window, say).items()}
     choices = next_token_choices(loaded.model, sequences, say) if sequences else []
-    scored = Scored(str(checkpoint), loaded.kind, loaded.kernel, ppl["test"], ppl["validation"],
-                    max_tokens, time.monotonic() - started)  # fmt: skip
+    scored = Scored(
+        str(checkpoint),
+        loaded.kind,
+        loaded.kernel,
+        ppl["test"],
+        ppl["validation"],
+        max_tokens,
+        time.monotonic() - started,
+    )
     pairs = [
         (a, b)
         for mine, theirs in zip(choices, reference_choices, strict=True)
@@ -278,8 +285,13 @@ def reference_settings(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """What the reference's figures depend on besides its files and the texts."""
-    return {"max_tokens": max_tokens, "window": window, "prompts": list(prompts),
-            "new_tokens": new_tokens, "device": device}  # fmt: skip
+    return {
+        "max_tokens": max_tokens,
+        "window": window,
+        "prompts": list(prompts),
+        "new_tokens": new_tokens,
+        "device": device,
+    }
 
 
 def score_reference(
@@ -314,11 +326,21 @@ def compute_reference(
     windows = perplexities(loaded, settings["max_tokens"], settings["window"], say)
     sequences = greedy_sequences(loaded, settings["prompts"], settings["new_tokens"], say)
     choices = next_token_choices(loaded.model, sequences, say)
-    scored = Scored(str(reference), loaded.kind, loaded.kernel, perplexity(windows["test"]),
-                    perplexity(windows["validation"]), settings["max_tokens"],
-                    time.monotonic() - started)  # fmt: skip
-    return {"scored": asdict(scored), "windows": windows, "sequences": sequences,
-            "choices": choices}  # fmt: skip
+    scored = Scored(
+        str(reference),
+        loaded.kind,
+        loaded.kernel,
+        perplexity(windows["test"]),
+        perplexity(windows["validation"]),
+        settings["max_tokens"],
+        time.monotonic() - started,
+    )
+    return {
+        "scored": asdict(scored),
+        "windows": windows,
+        "sequences": sequences,
+        "choices": choices,
+    }
 
 
 def format_report(report: QualityReport) -> str:

@@ -154,8 +154,9 @@ def gptq_linear(tensors: dict[str, torch.Tensor], layout: GPTQLayout, name: str)
         if not torch.equal(order, torch.arange(rows, device=order.device)):
             codes = unpack_rows(qweight, bits, rows).index_select(0, order)
             qweight, perm = pack_rows(codes, bits), order
-    return GPTQLinear(qweight, zeros.to(torch.int32), scales, perm, tensors.get("bias"), bits,
-                      group, rows)  # fmt: skip
+    return GPTQLinear(
+        qweight, zeros.to(torch.int32), scales, perm, tensors.get("bias"), bits, group, rows
+    )
 
 
 def read_tensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -199,8 +200,9 @@ def read_module(path: Path, prefix: str, device: torch.device) -> dict[str, torc
     return parts
 
 
-def load_gptq_model(path: Path, quant: dict[str, Any], device: torch.device,
-                    dtype: torch.dtype) -> Any:  # fmt: skip
+def load_gptq_model(
+    path: Path, quant: dict[str, Any], device: torch.device, dtype: torch.dtype
+) -> Any:
     """The checkpoint as a transformers causal LM on `device`: plain tensors in `dtype`, each
     GPTQ Linear a GPTQLinear. CheckpointError naming what is missing or not served."""
     from transformers import AutoConfig, AutoModelForCausalLM

@@ -172,9 +172,9 @@ def load_checkpoint(
         model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
         check_family(str(model_type), GPU_MODEL_TYPES, " on a GPU")
     if target.type == "cpu" and kernel == "auto" and int(quant.get("bits", 4)) == 8:
-        # no CPU kernel serves 8-bit codes fast (gptqmodel's ran at 0.1x the weights expanded,
-        # load/bench_layouts.py): expanded once to bf16, which the runner prepacks for oneDNN
-        # (twice the 8-bit weights' memory)
+        # no CPU kernel serves 8-bit codes fast (gptqmodel's ran far slower than the weights
+        # expanded, load/bench_layouts.py): expanded once to bf16, which the runner prepacks for
+        # oneDNN (twice the 8-bit weights' memory)
         log.info("8-bit GPTQ on a CPU: weights dequantized to bf16 at load")
         kernel = "dequantized"
     from transformers import AutoTokenizer
@@ -215,8 +215,9 @@ def load_checkpoint(
     )
 
 
-def _load_with_gptqmodel(path: Path, quant: dict[str, Any], target: torch.device,
-                         kernel: str) -> Any:  # fmt: skip
+def _load_with_gptqmodel(
+    path: Path, quant: dict[str, Any], target: torch.device, kernel: str
+) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, GPTQConfig
 
     config = AutoConfig.from_pretrained(path)
@@ -285,9 +286,12 @@ def dequantize_linears(model: Any) -> None:
 def dense_linear(child: GPTQLinear, dtype: torch.dtype) -> torch.nn.Linear:
     """An nn.Linear holding `child`'s dequantized weight in `dtype`."""
     linear = torch.nn.Linear(
-        child.in_features, child.out_features, bias=child.bias is not None,
-        device="meta", dtype=dtype,
-    )  # fmt: skip
+        child.in_features,
+        child.out_features,
+        bias=child.bias is not None,
+        device="meta",
+        dtype=dtype,
+    )
     stored = child.dequantized()  # [K, N], rows in stored order
     weight = torch.empty_like(stored)
     if child.perm is None:

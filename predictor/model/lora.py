@@ -63,13 +63,19 @@ def reading_adapter(
     config = _config(folder)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise AdapterError(f"adapter '{name}': rank {rank!r} is not between 1 and {max_rank} "
-                           "(--max-lora-rank)")  # fmt: skip
+        raise AdapterError(
+            f"adapter '{name}': rank {rank!r} is not between 1 and {max_rank} (--max-lora-rank)"
+        )
     if not isinstance(alpha, int | float):
         raise AdapterError(f"adapter '{name}': lora_alpha {alpha!r} is not a number")
-    for key, allowed in (("use_dora", (False, None)), ("bias", ("none", None)),
-                         ("modules_to_save", (None, [])), ("fan_in_fan_out", (False, None)),
-                         ("rank_pattern", ({}, None)), ("alpha_pattern", ({}, None))):  # fmt: skip
+    for key, allowed in (
+        ("use_dora", (False, None)),
+        ("bias", ("none", None)),
+        ("modules_to_save", (None, [])),
+        ("fan_in_fan_out", (False, None)),
+        ("rank_pattern", ({}, None)),
+        ("alpha_pattern", ({}, None)),
+    ):
         if config.get(key) not in allowed:
             raise AdapterError(f"adapter '{name}': {key}={config[key]!r} is not supported")
     targets = config.get("target_modules")
@@ -77,8 +83,10 @@ def reading_adapter(
         targets = [targets]
     unknown = sorted(set(targets or []) - set(MODULES))
     if not targets or unknown:
-        raise AdapterError(f"adapter '{name}': target modules {unknown or targets!r} are not "
-                           f"among {', '.join(MODULES)}")  # fmt: skip
+        raise AdapterError(
+            f"adapter '{name}': target modules {unknown or targets!r} are not "
+            f"among {', '.join(MODULES)}"
+        )
     factors = yield from _factors(name, folder, shapes, layers, rank)
     if not factors:
         raise AdapterError(f"adapter '{name}': {WEIGHTS} holds no LoRA factors")
@@ -127,13 +135,15 @@ def _factors(
         if a is None or b is None:
             raise AdapterError(f"{where}: lora_A or lora_B is missing")
         if tuple(a.shape) != (rank, features_in) or tuple(b.shape) != (features_out, rank):
-            raise AdapterError(f"{where}: factors {tuple(a.shape)} and {tuple(b.shape)} do not "
-                               f"fit rank {rank} and the model's {features_in} -> "
-                               f"{features_out}")  # fmt: skip
+            raise AdapterError(
+                f"{where}: factors {tuple(a.shape)} and {tuple(b.shape)} do not "
+                f"fit rank {rank} and the model's {features_in} -> "
+                f"{features_out}"
+            )
         factors[(layer, module)] = (a.float().contiguous(), b.float().contiguous())
     yield
     # finite weights: each factor's sum is (a NaN or an infinity carries into it; finite values
-    # that large are no adapter's either), one isfinite over the sums (420 of them took 10 ms)
+    # that large are no adapter's either), one isfinite over the sums rather than one a factor
     sums = torch.stack([half.sum() for pair in factors.values() for half in pair])
     if not bool(torch.isfinite(sums).all()):
         bad = int(torch.isfinite(sums).logical_not().nonzero()[0]) // 2

@@ -29,9 +29,17 @@ def quantize(
 ) -> list[dict[str, Any]]:
     """recipe.quantize_checkpoint in its own process; the modules' GPTQ losses."""
     losses: list[dict[str, Any]] = isolated.run(
-        quantize_checkpoint, progress, threads, source=source, out=out, texts=list(texts),
-        recipe=recipe, dtype=dtype, bits=bits, checkpoint_format=checkpoint_format,
-    )  # fmt: skip
+        quantize_checkpoint,
+        progress,
+        threads,
+        source=source,
+        out=out,
+        texts=list(texts),
+        recipe=recipe,
+        dtype=dtype,
+        bits=bits,
+        checkpoint_format=checkpoint_format,
+    )
     return losses
 
 
@@ -41,9 +49,14 @@ def score(
     """evaluate.evaluate(checkpoint, reference, threads=threads, **options) in its own process,
     its messages shown as `progress`'s steps (evaluation_steps)."""
     report: QualityReport = isolated.run(
-        _score, _Messages(progress), threads, checkpoint=checkpoint, reference=reference,
-        threads=threads, options=options,
-    )  # fmt: skip
+        _score,
+        _Messages(progress),
+        threads,
+        checkpoint=checkpoint,
+        reference=reference,
+        threads=threads,
+        options=options,
+    )
     return report
 
 

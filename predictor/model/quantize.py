@@ -186,9 +186,14 @@ def build_default_model(
         progress.say(f"[model]     answer: {answer!r}")
         if QUALITY_ANSWER not in answer:
             raise SystemExit(f"quality check failed: the answer does not mention {QUALITY_ANSWER}")
-        build = {"recipe": asdict(recipe), "calibration_dtype": dtype, "dtype_choice": why,
-                 "threads": threads, "cpu": cpu_name(),
-                 "seconds": {**phases, "total": time.monotonic() - started}}  # fmt: skip
+        build = {
+            "recipe": asdict(recipe),
+            "calibration_dtype": dtype,
+            "dtype_choice": why,
+            "threads": threads,
+            "cpu": cpu_name(),
+            "seconds": {**phases, "total": time.monotonic() - started},
+        }
         quality = {**report.to_json(), "build": build}
         write_report(staged, quality)
         install(staged, out)
@@ -222,13 +227,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--group-size", type=int, default=128, help="with --source: 32, 64, 128 or -1 (per-channel)"
     )
     parser.add_argument("--asym", action="store_true", help="with --source: asymmetric groups")
-    parser.add_argument("--sym", dest="asym", action="store_false",
-                        help="with --source: symmetric groups (the default)")  # fmt: skip
     parser.add_argument(
-        "--format", dest="checkpoint_format", choices=("gptq", "gptq_v2"), default="gptq",
+        "--sym",
+        dest="asym",
+        action="store_false",
+        help="with --source: symmetric groups (the default)",
+    )
+    parser.add_argument(
+        "--format",
+        dest="checkpoint_format",
+        choices=("gptq", "gptq_v2"),
+        default="gptq",
         help="with --source: the checkpoint's layout, AutoGPTQ's (gptq) or gptqmodel's "
         "(gptq_v2); vLLM and transformers read both",
-    )  # fmt: skip
+    )
     parser.add_argument("--desc-act", action="store_true", help="with --source: act-order")
     parser.add_argument(
         "--texts", type=int, default=0, help="with --source: calibration texts used (0: all)"
@@ -260,8 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.accept_rejected is not None:
         if args.source is not None:
             parser.error("--accept-rejected installs a build already made: no --source")
-        print(f"[quantize] installed {accept_rejected(args.accept_rejected, args.out)} as it was "
-              f"built (refused by its gate; quality.json says why)")  # fmt: skip
+        print(
+            f"[quantize] installed {accept_rejected(args.accept_rejected, args.out)} as it was "
+            f"built (refused by its gate; quality.json says why)"
+        )
         return 0
     args.out = args.out or DEFAULT_OUT
     if args.source is not None:  # refused now, before torch and the weights are loaded
@@ -271,12 +285,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     if args.source is not None:
-        recipe = replace(RECIPES[args.recipe], group_size=args.group_size, sym=not args.asym,
-                         desc_act=args.desc_act, act_group_aware=not args.desc_act,
-                         texts=args.texts)  # fmt: skip
-        build_from_source(args.source, args.out, args.threads, args.max_ratio, recipe,
-                          bits=args.bits, dtype=args.calibration_dtype,
-                          checkpoint_format=args.checkpoint_format)  # fmt: skip
+        recipe = replace(
+            RECIPES[args.recipe],
+            group_size=args.group_size,
+            sym=not args.asym,
+            desc_act=args.desc_act,
+            act_group_aware=not args.desc_act,
+            texts=args.texts,
+        )
+        build_from_source(
+            args.source,
+            args.out,
+            args.threads,
+            args.max_ratio,
+            recipe,
+            bits=args.bits,
+            dtype=args.calibration_dtype,
+            checkpoint_format=args.checkpoint_format,
+        )
         return 0
     fp_out = args.fp_out or args.out.parent / FP_NAME
     build_default_model(

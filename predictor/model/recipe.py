@@ -34,13 +34,13 @@ class Recipe:
     # later subsets see the already-quantized earlier ones: 4 forwards per layer instead of 1.
     true_sequential: bool = True
     # Calibration texts per forward batch (not a QuantizeConfig field). gptqmodel sorts the texts
-    # by length and leaves padding out of the Hessian; 32 measured no better than 8 (validation
-    # ratio 1.059 against 1.046-1.055 for 8, whose runs differ by that much: load/RESULTS.md).
+    # by length and leaves padding out of the Hessian; larger batches scored no better, within
+    # the noise between runs (load/RESULTS.md).
     batch_size: int = 8
     # How many of calibration.txt's texts a build of the default model uses, evenly spaced over
-    # the file (0: all). Half of the 300 scored as well as all of them on both texts, in
-    # 0.6-0.7x the GPTQ phase's time (load/RESULTS.md, "Quantization recipe"). Not a QuantizeConfig
-    # field either; quantize_checkpoint uses the texts it is given.
+    # the file (0: all). Half of the 300 scored as well as all of them on both texts, in less of
+    # the GPTQ phase's time (load/RESULTS.md, "Quantization recipe"). Not a QuantizeConfig field
+    # either; quantize_checkpoint uses the texts it is given.
     texts: int = 150
 
     def quantize_config(self) -> dict[str, Any]:
@@ -130,7 +130,7 @@ def quantize_checkpoint(
         progress.phase("layer", int(model.model.config.num_hidden_layers))
     with vectorised_scale_search(), lean_capture() as products, fused_block_update():
         # its subset_event(stage=..., layer_idx=...): progress, and a finished layer's products
-        # and modules let go (kept, they grew the phase by ~5x a layer's fp32 weights a layer)
+        # and modules let go (kept, they grew the phase's memory with every layer)
         internals.set_subset_callback(model, LayerEvents(progress, lambda: _release(products)))
         log = model.quantize(list(texts), batch_size=recipe.batch_size)
     model.save(str(out))
@@ -172,10 +172,13 @@ class LayerEvents:
             self.on_new_layer()
         self.layer = layer_idx
         if self.progress is not None:  # the plain fields only: a relay pickles them
-            self.progress.subset_event(stage=str(stage), layer_idx=int(layer_idx),
-                                       subset_index=int(subset_index),
-                                       subset_total=int(subset_total),
-                                       module_names=[str(n) for n in module_names])  # fmt: skip
+            self.progress.subset_event(
+                stage=str(stage),
+                layer_idx=int(layer_idx),
+                subset_index=int(subset_index),
+                subset_total=int(subset_total),
+                module_names=[str(n) for n in module_names],
+            )
 
 
 def module_losses(log: Any) -> list[dict[str, Any]]:
@@ -186,6 +189,11 @@ def module_losses(log: Any) -> list[dict[str, Any]]:
     for entries in (log or {}).values():
         for entry in entries if isinstance(entries, list) else ():
             with contextlib.suppress(KeyError, TypeError, ValueError):
-                losses.append({"layer": int(entry["layer"]), "module": str(entry["module"]),
-                               "loss": float(entry["loss"])})  # fmt: skip
+                losses.append(
+                    {
+                        "layer": int(entry["layer"]),
+                        "module": str(entry["module"]),
+                        "loss": float(entry["loss"]),
+                    }
+                )
     return sorted(losses, key=lambda entry: -entry["loss"])

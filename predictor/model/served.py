@@ -40,24 +40,37 @@ def served_figures(
     as one context) and its decode speed (SPEED_TOKENS greedy tokens after a short prompt,
     tokens a second), with its default kernels or `--kernel kernel`."""
     http, grpc = _free_port(), _free_port()
-    command = [sys.executable, "-m", "predictor", "--model-dir", str(checkpoint),
-               "--model-name", NAME, "--http-port", str(http), "--grpc-port", str(grpc),
-               "--threads", str(threads), "--max-tokens-limit", str(SPEED_TOKENS),
-               "--default-max-tokens", "16", "--max-prompt-tokens", str(len(ids)),
-               "--speculative", "off"]  # fmt: skip
+    flags = {
+        "--model-dir": str(checkpoint),
+        "--model-name": NAME,
+        "--http-port": str(http),
+        "--grpc-port": str(grpc),
+        "--threads": str(threads),
+        "--max-tokens-limit": str(SPEED_TOKENS),
+        "--default-max-tokens": "16",
+        "--max-prompt-tokens": str(len(ids)),
+        "--speculative": "off",
+    }
     if kernel is not None:
-        command += ["--kernel", kernel]
+        flags["--kernel"] = kernel
+    arguments = [part for flag in flags.items() for part in flag]
+    command = [sys.executable, "-m", "predictor", *arguments]
     with tempfile.TemporaryFile() as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)  # fmt: skip
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
         try:
             base = f"http://127.0.0.1:{http}"
             _wait_ready(process, f"{base}/v2/health/ready", ready_timeout, log)
-            answer = _post(base, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0},
-                           ready_timeout)  # fmt: skip
+            answer = _post(
+                base, {"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}, ready_timeout
+            )
             started = time.monotonic()
-            _post(base, {"prompt": ids[:16], "max_tokens": SPEED_TOKENS, "ignore_eos": True},
-                  ready_timeout)  # fmt: skip
+            _post(
+                base,
+                {"prompt": ids[:16], "max_tokens": SPEED_TOKENS, "ignore_eos": True},
+                ready_timeout,
+            )
             speed = SPEED_TOKENS / (time.monotonic() - started)
         finally:
             process.terminate()
@@ -77,8 +90,9 @@ def served_perplexity(
 
 
 def _post(base: str, body: dict[str, object], timeout: float) -> dict[str, Any]:
-    answer = httpx.post(f"{base}/v1/completions", json={"model": NAME, "temperature": 0, **body},
-                        timeout=timeout)  # fmt: skip
+    answer = httpx.post(
+        f"{base}/v1/completions", json={"model": NAME, "temperature": 0, **body}, timeout=timeout
+    )
     if answer.status_code != 200:
         raise RuntimeError(f"the server answered {answer.status_code}: {answer.text}")
     result: dict[str, Any] = answer.json()

@@ -72,8 +72,10 @@ def build_from_source(
             with timed_phase(phases, "dequantize", progress, Path(tmp) / "dequantize.log"):
                 isolated.run(export_gguf, None, threads, path=source, out=fp_source)
         if not templated:
-            progress.say(f"[quantize] {source} has no chat template (a base model): the "
-                         "agreement prompts are scored as plain text")  # fmt: skip
+            progress.say(
+                f"[quantize] {source} has no chat template (a base model): the "
+                "agreement prompts are scored as plain text"
+            )
         every_text = source_texts()
         texts = recipe.pick(every_text)
         dtype, why = calibration_dtype(fp_source, dtype)
@@ -84,23 +86,44 @@ def build_from_source(
             f"{dtype} forwards ({why}), {threads} threads"
         )
         with timed_phase(phases, "quantize", progress, out.parent / "quantize.log"):
-            losses = phases_.quantize(fp_source, staged, texts, progress, threads,
-                                      recipe=recipe, dtype=dtype, bits=bits,
-                                      checkpoint_format=checkpoint_format)  # fmt: skip
+            losses = phases_.quantize(
+                fp_source,
+                staged,
+                texts,
+                progress,
+                threads,
+                recipe=recipe,
+                dtype=dtype,
+                bits=bits,
+                checkpoint_format=checkpoint_format,
+            )
         progress.say(f"[quantize] 2/3 quality against {source} (bar: test ratio <= {max_ratio})")
         with timed_phase(phases, "evaluate", progress, Path(tmp) / "evaluate.log"):
-            report = phases_.score(staged, fp_source, progress, threads, kernel="fp32",
-                                   max_tokens=tokens_available(fp_source))  # fmt: skip
+            report = phases_.score(
+                staged,
+                fp_source,
+                progress,
+                threads,
+                kernel="fp32",
+                max_tokens=tokens_available(fp_source),
+            )
         report = replace(report, checkpoint=replace(report.checkpoint, path=str(out)))
         if report.reference is not None:  # the GGUF, not the folder it was dequantized to
             report = replace(report, reference=replace(report.reference, path=str(source)))
         for line in format_report(report).splitlines():
             progress.say(f"[quantize]     {line}")
-        build = {"source": str(source), "bits": bits, "format": checkpoint_format,
-                 "recipe": asdict(recipe),
-                 "calibration_dtype": dtype, "dtype_choice": why, "threads": threads,
-                 "cpu": cpu_name(), "agreement_prompts": "chat" if templated else "plain text",
-                 "worst_modules": losses[:WORST_MODULES]}  # fmt: skip
+        build = {
+            "source": str(source),
+            "bits": bits,
+            "format": checkpoint_format,
+            "recipe": asdict(recipe),
+            "calibration_dtype": dtype,
+            "dtype_choice": why,
+            "threads": threads,
+            "cpu": cpu_name(),
+            "agreement_prompts": "chat" if templated else "plain text",
+            "worst_modules": losses[:WORST_MODULES],
+        }
         quality: dict[str, Any] = {**report.to_json(), "build": build}
         refusal = quality_refusal(report, max_ratio)
         if refusal is None:
@@ -113,22 +136,32 @@ def build_from_source(
                 # in a process of its own too: the server starts beside a builder that holds
                 # no model, and the source's own perplexity is computed there after it stops
                 figures: dict[str, Any] = isolated.run(
-                    served_quality, None, threads, checkpoint=staged, source=fp_source,
-                    threads=threads, kernel=kernel, reference=reference,
-                )  # fmt: skip
-                progress.say(f"[quantize]     served ({figures['kernel']} kernels) perplexity "
-                             f"{figures['perplexity']:.3f} / source {figures['reference']:.3f}"
-                             f" = ratio {figures['ratio']:.3f}, "
-                             f"{figures['tokens_per_second']:.1f} tokens/s")  # fmt: skip
+                    served_quality,
+                    None,
+                    threads,
+                    checkpoint=staged,
+                    source=fp_source,
+                    threads=threads,
+                    kernel=kernel,
+                    reference=reference,
+                )
+                progress.say(
+                    f"[quantize]     served ({figures['kernel']} kernels) perplexity "
+                    f"{figures['perplexity']:.3f} / source {figures['reference']:.3f}"
+                    f" = ratio {figures['ratio']:.3f}, "
+                    f"{figures['tokens_per_second']:.1f} tokens/s"
+                )
                 return figures
 
             with timed_phase(phases, "served", progress, Path(tmp) / "served.log"):
                 record, refusal = served_gate(measure, max_ratio)
             quality.update(record)
             if "serve" in record:
-                progress.say(f"[quantize]     to be served with --kernel "
-                             f"{record['serve']['kernel']} (recorded in {QUALITY_FILE}; "
-                             f"--kernel overrides): {record['serve']['reason']}")  # fmt: skip
+                progress.say(
+                    f"[quantize]     to be served with --kernel "
+                    f"{record['serve']['kernel']} (recorded in {QUALITY_FILE}; "
+                    f"--kernel overrides): {record['serve']['reason']}"
+                )
         build["seconds"] = {**phases, "total": time.monotonic() - started}
         if refusal is not None:
             kept = keep_rejected(staged, out, quality, refusal)

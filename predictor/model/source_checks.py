@@ -23,8 +23,11 @@ def check_source(source: Path, group_size: int) -> dict[str, Any]:
     moment, before any weight is."""
     if is_gguf(source):
         found = read_gguf(source)
-        config = {"model_type": found.model_type, "hidden_size": found.hidden_size,
-                  "intermediate_size": found.intermediate_size}  # fmt: skip
+        config = {
+            "model_type": found.model_type,
+            "hidden_size": found.hidden_size,
+            "intermediate_size": found.intermediate_size,
+        }
         _check_widths(source, config, group_size)
         return config
     config_file = source / "config.json"
@@ -49,8 +52,10 @@ def check_source(source: Path, group_size: int) -> dict[str, Any]:
 
 
 def _check_widths(source: Path, config: dict[str, Any], group_size: int) -> None:
-    widths = {"hidden_size": config.get("hidden_size"),
-              "intermediate_size": config.get("intermediate_size")}  # fmt: skip
+    widths = {
+        "hidden_size": config.get("hidden_size"),
+        "intermediate_size": config.get("intermediate_size"),
+    }
     for name, width in widths.items():
         if group_size > 0 and isinstance(width, int) and width % group_size:
             raise SystemExit(
@@ -89,16 +94,23 @@ def served_quality(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source)
-    context = int(json.loads((source / "config.json").read_text()).get("max_position_embeddings")
-                  or SERVED_TOKENS)  # fmt: skip
+    context = int(
+        json.loads((source / "config.json").read_text()).get("max_position_embeddings")
+        or SERVED_TOKENS
+    )
     count = min(SERVED_TOKENS, tokens_available(source), context // 2)
     ids = text_ids(tokenizer, TEXTS["test"], count)
     served = served_figures(checkpoint, ids, threads, kernel=kernel)
     if reference is None:
         reference = sequence_perplexity(source, ids, threads)
-    return {"tokens": len(ids), "kernel": kernel or "auto", "perplexity": served["perplexity"],
-            "reference": reference, "ratio": served["perplexity"] / reference,
-            "tokens_per_second": served["tokens_per_second"]}  # fmt: skip
+    return {
+        "tokens": len(ids),
+        "kernel": kernel or "auto",
+        "perplexity": served["perplexity"],
+        "reference": reference,
+        "ratio": served["perplexity"] / reference,
+        "tokens_per_second": served["tokens_per_second"],
+    }
 
 
 # fp32 activations in every fused projection: the precise kernel the served gate falls back to
@@ -124,9 +136,11 @@ def served_gate(measure: Measure, max_ratio: float) -> tuple[dict[str, Any], str
             "kernel": PRECISE_KERNEL,
             "reason": f"the autotune's kernels served ratio {served['ratio']:.3f}, past the bar "
             f"{max_ratio:.2f}; {PRECISE_KERNEL} {precise['ratio']:.3f}",
-            "tokens_per_second": {"auto": served["tokens_per_second"],
-                                  PRECISE_KERNEL: precise["tokens_per_second"]},
-        }  # fmt: skip
+            "tokens_per_second": {
+                "auto": served["tokens_per_second"],
+                PRECISE_KERNEL: precise["tokens_per_second"],
+            },
+        }
         return record, None
     return record, (
         f"quality gate failed as served: ratio {served['ratio']:.3f} with the autotune's "
