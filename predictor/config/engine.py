@@ -77,16 +77,20 @@ class CacheSettings:
         events = self.kv_events  # raises for bad JSON or an unknown key
         vllm_args.kv_transfer_config(self.kv_transfer_config)  # raises where it is not JSON
         if events is not None and events.publishing and not self.prefix_caching:
-            raise ValueError("--kv-events-config publishes the prefix cache's events: it needs "
-                             "--enable-prefix-caching")  # fmt: skip
+            raise ValueError(
+                "--kv-events-config publishes the prefix cache's events: it needs "
+                "--enable-prefix-caching"
+            )
         if self.kv_offload_dir and (
             self.kv_offload_size <= 0
             or not self.prefix_caching
             or self.prefix_caching_hash_algo == "builtin"
         ):
-            raise ValueError("--kv-offload-dir needs --kv-offload-size > 0, prefix caching and "
-                             "a --prefix-caching-hash-algo other than builtin (Python's hash() "
-                             "differs between processes)")  # fmt: skip
+            raise ValueError(
+                "--kv-offload-dir needs --kv-offload-size > 0, prefix caching and "
+                "a --prefix-caching-hash-algo other than builtin (Python's hash() "
+                "differs between processes)"
+            )
 
 
 @dataclass(frozen=True)
@@ -191,5 +195,7 @@ class LoraSettings:
         if len(set(names)) != len(names):
             raise ValueError("--lora-modules names each adapter once")
         if not 1 <= self.max_lora_rank <= 256 or min(self.max_loras, self.max_cpu_loras) < 0:
-            raise ValueError("--max-lora-rank must be between 1 and 256, --max-loras and "
-                             "--max-cpu-loras at least 0")  # fmt: skip
+            raise ValueError(
+                "--max-lora-rank must be between 1 and 256, --max-loras and "
+                "--max-cpu-loras at least 0"
+            )

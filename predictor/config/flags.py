@@ -33,8 +33,18 @@ SPECULATIVE = ("off", "ngram", "suffix")  # --speculative (engine/speculation.py
 HASH_ALGOS = ("sha256", "sha256_cbor", "builtin")  # --prefix-caching-hash-algo, vLLM's names
 # --tool-call-parser: engine/tool_formats/'s names (vLLM's), then the aliases it takes; ""
 # (the default): the one the chat template asks for
-TOOL_CALL_PARSERS = ("", "hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic", "qwen",
-                     "qwen3_xml", "llama4_json", "phi4_mini")  # fmt: skip
+TOOL_CALL_PARSERS = (
+    "",
+    "hermes",
+    "llama3_json",
+    "mistral",
+    "phi4_mini_json",
+    "pythonic",
+    "qwen",
+    "qwen3_xml",
+    "llama4_json",
+    "phi4_mini",
+)
 REASONING_PARSERS = ("qwen3", "deepseek_r1", "none")  # --reasoning-parser (engine/reasoning.py)
 OTLP_PROTOCOLS = ("grpc", "http/protobuf")
 PAYLOAD_MODES = ("off", "hash", "full")

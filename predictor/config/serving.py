@@ -135,8 +135,13 @@ class LimitsSettings:
             raise ValueError("max token settings must be at least 1")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("--default-max-tokens must not exceed --max-tokens-limit")
-        limits = (self.max_prompts, self.max_body_bytes, self.max_json_depth,
-                  self.max_stream_requests, self.stream_queue_size)  # fmt: skip
+        limits = (
+            self.max_prompts,
+            self.max_body_bytes,
+            self.max_json_depth,
+            self.max_stream_requests,
+            self.stream_queue_size,
+        )
         if min(limits) < 1 or self.stall_seconds <= 0 or self.slow_reader_grace <= 0:
             raise ValueError(
                 "the --max-* limits and --stream-queue-size must be >= 1, and --stall-seconds "

@@ -58,8 +58,10 @@ class Settings:
         for name in GROUPS:
             getattr(self, name).check()
         if self.model.sleeps and self.lora.served:
-            raise ValueError("--sleep-idle-seconds and --enable-sleep-mode serve no LoRA "
-                             "adapters (--lora-modules, --allow-runtime-lora)")  # fmt: skip
+            raise ValueError(
+                "--sleep-idle-seconds and --enable-sleep-mode serve no LoRA "
+                "adapters (--lora-modules, --allow-runtime-lora)"
+            )
 
 
 # the groups by their Settings field, in --help's order

@@ -158,8 +158,10 @@ class Adapters:
         if not names:
             return
         if self.limit and len(names) > self.limit:
-            raise InvalidRequest(f"{len(names)} LoRA adapters in one request; "
-                                 f"{self.limit} can be resident (--max-cpu-loras)")  # fmt: skip
+            raise InvalidRequest(
+                f"{len(names)} LoRA adapters in one request; "
+                f"{self.limit} can be resident (--max-cpu-loras)"
+            )
         while missing := [n for n in names if self.slot(n) is None]:
             for name in missing:
                 task = self._installing.get(name)
@@ -178,8 +180,10 @@ class Adapters:
         waited = time.monotonic() + ROOM_WAIT_S
         while (slot := self.reserve(in_use())) is None:
             if time.monotonic() > waited:
-                raise Overloaded(f"LoRA adapter '{name}' waits for room: the {self.limit} "
-                                 "resident adapters are all in use (--max-cpu-loras)")  # fmt: skip
+                raise Overloaded(
+                    f"LoRA adapter '{name}' waits for room: the {self.limit} "
+                    "resident adapters are all in use (--max-cpu-loras)"
+                )
             await asyncio.sleep(0.02)
         try:
             path = self.path(name)

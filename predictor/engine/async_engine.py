@@ -56,9 +56,15 @@ class AsyncEngine:
         self._on_stop = on_stop  # after the step loop stops (the KV events' publisher closed)
         limits = Limits(max_tokens_limit, max_prompt_tokens, max_prompts, *step_loop.kv_blocks)
         self.inputs = InputProcessor(
-            tokenizer, limits, step_loop.eos_ids, grammar_timeout, max_grammar_compiles, adapters,
-            reasoning, reasoning_budget,
-        )  # fmt: skip
+            tokenizer,
+            limits,
+            step_loop.eos_ids,
+            grammar_timeout,
+            max_grammar_compiles,
+            adapters,
+            reasoning,
+            reasoning_budget,
+        )
         self.stall_seconds = stall_seconds
         self._default_timeout = default_timeout
         self._on_step = on_step  # the step stats' next reader (metrics)
@@ -173,10 +179,13 @@ class AsyncEngine:
             prepared = await asyncio.to_thread(lambda: [self.inputs.prepare(r) for r in requests])
             # on the grammar compiler's own pool, bounded (engine/grammar.py): never the pool
             # that tokenizes, never longer than its timeout
-            compiled = await asyncio.gather(*(
-                self.inputs.grammars().compile_async(r.params.grammar)
-                for r in requests if r.params.grammar is not None
-            ))  # fmt: skip
+            compiled = await asyncio.gather(
+                *(
+                    self.inputs.grammars().compile_async(r.params.grammar)
+                    for r in requests
+                    if r.params.grammar is not None
+                )
+            )
             grammars = iter(compiled)
             # the last wait: from here to the requests in _live, nothing else runs on this
             # event loop, so no eviction can pick the adapters they are given

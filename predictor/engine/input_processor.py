@@ -148,8 +148,9 @@ class InputProcessor:
                 from predictor.engine.grammar import Grammars  # xgrammar loads only when used
 
                 timeout, in_flight = self._grammar_limits
-                self._grammars = Grammars(self.tokenizer, self._eos_ids, timeout=timeout,
-                                          max_in_flight=in_flight)  # fmt: skip
+                self._grammars = Grammars(
+                    self.tokenizer, self._eos_ids, timeout=timeout, max_in_flight=in_flight
+                )
             return self._grammars
 
     def request(
@@ -179,7 +180,7 @@ class InputProcessor:
                 request.params.stop,
                 self._byte_table,
                 self.kept_markers(request.tool_format) if request.tools else None,
-            ),  # fmt: skip
+            ),
             sink=sink,
             deadline=deadline,
             cache_salt=request.cache_salt,
@@ -279,10 +280,24 @@ class InputProcessor:
 
 # apply_chat_template's own arguments and what the engine passes: not a template variable
 _RESERVED = frozenset(
-    {"conversation", "messages", "tools", "documents", "add_generation_prompt", "tokenize",
-     "continue_final_message", "return_dict", "return_tensors", "chat_template", "tokenizer_kwargs",
-     "padding", "truncation", "max_length", "return_assistant_tokens_mask"}
-)  # fmt: skip
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "continue_final_message",
+        "return_dict",
+        "return_tensors",
+        "chat_template",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_assistant_tokens_mask",
+    }
+)
 
 
 def template_variables(variables: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -121,8 +121,12 @@ class BlockStore:
             self._index[key] = None
         self._trim()
         if found:
-            log.info("KV disk cache: %d blocks (%.1f MiB) found in %s", len(self._index),
-                     self.used / 2**20, self.folder)  # fmt: skip
+            log.info(
+                "KV disk cache: %d blocks (%.1f MiB) found in %s",
+                len(self._index),
+                self.used / 2**20,
+                self.folder,
+            )
 
     # -- the step loop's side ---------------------------------------------------------------
     def has(self, key: bytes) -> bool:
@@ -197,8 +201,11 @@ class BlockStore:
         return True
 
     def _reject(self, key: bytes, path: Path) -> bool:
-        log.warning("KV disk cache: %s failed its checks (corrupt, truncated or another "
-                    "model's): ignored and removed", path.name)  # fmt: skip
+        log.warning(
+            "KV disk cache: %s failed its checks (corrupt, truncated or another "
+            "model's): ignored and removed",
+            path.name,
+        )
         with self._lock:
             self._index.pop(key, None)
             self.counts.rejected += 1

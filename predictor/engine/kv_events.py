@@ -173,8 +173,16 @@ class BlockStored:
     lora_name: str | None
 
     def wire(self) -> list[Any]:
-        return ["BlockStored", self.block_hashes, self.parent_block_hash, self.token_ids,
-                self.block_size, self.lora_id, self.medium, self.lora_name]  # fmt: skip
+        return [
+            "BlockStored",
+            self.block_hashes,
+            self.parent_block_hash,
+            self.token_ids,
+            self.block_size,
+            self.lora_id,
+            self.medium,
+            self.lora_name,
+        ]
 
 
 @dataclass(frozen=True)
@@ -236,9 +244,15 @@ class BlockHasher:
             size = self.block_size
             start = len(have) * size
             have += chain_hashes(
-                self._hash, self.root, request.tokens(start, count * size), size,
-                request.lora_name, request.cache_salt, have[-1] if have else None, len(have),
-            )  # fmt: skip
+                self._hash,
+                self.root,
+                request.tokens(start, count * size),
+                size,
+                request.lora_name,
+                request.cache_salt,
+                have[-1] if have else None,
+                len(have),
+            )
         return have[:count]
 
 
@@ -274,15 +288,17 @@ class Recorder:
         (parent: the block before, if any); returns their hashes, for their removal."""
         hashes = self.hashes(request, first + count)
         size = self.block_size
-        self._pending.append(BlockStored(
-            block_hashes=[external(h) for h in hashes[first:]],
-            parent_block_hash=external(hashes[first - 1]) if first else None,
-            token_ids=request.tokens(first * size, (first + count) * size),
-            block_size=size,
-            lora_id=lora_id,
-            medium=MEDIUM,
-            lora_name=request.lora_name,
-        ))  # fmt: skip
+        self._pending.append(
+            BlockStored(
+                block_hashes=[external(h) for h in hashes[first:]],
+                parent_block_hash=external(hashes[first - 1]) if first else None,
+                token_ids=request.tokens(first * size, (first + count) * size),
+                block_size=size,
+                lora_id=lora_id,
+                medium=MEDIUM,
+                lora_name=request.lora_name,
+            )
+        )
         return hashes[first:]
 
     def removed(self, block_hash: BlockHash) -> None:

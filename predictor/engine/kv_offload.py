@@ -132,8 +132,12 @@ class Offload:
             temporary = about.with_suffix(f".{os.getpid()}.json.part")
             temporary.write_text(json.dumps(described, indent=1, sort_keys=True))
             os.replace(temporary, about)
-        log.info("KV disk cache in %s: %d blocks found, at most %.2f GiB", store.folder,
-                 len(store), limit_bytes / 2**30)  # fmt: skip
+        log.info(
+            "KV disk cache in %s: %d blocks found, at most %.2f GiB",
+            store.folder,
+            len(store),
+            limit_bytes / 2**30,
+        )
         return cls(store, hasher, copies)
 
     @property

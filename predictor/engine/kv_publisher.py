@@ -86,14 +86,20 @@ class ZmqPublisher:
             for sock in (self._pub, self._replay):
                 if sock is not None:
                     sock.close(linger=0)
-            raise OSError(f"KV events (--kv-events-config): cannot open {self.endpoint} / "
-                          f"{self.replay_endpoint}: {exc}") from exc  # fmt: skip
+            raise OSError(
+                f"KV events (--kv-events-config): cannot open {self.endpoint} / "
+                f"{self.replay_endpoint}: {exc}"
+            ) from exc
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_write, False)  # a full pipe has woken the thread already
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
-        log.info("KV events published on %s (replay: %s, topic %r)", self.endpoint,
-                 self.replay_endpoint or "none", self._topic.decode())  # fmt: skip
+        log.info(
+            "KV events published on %s (replay: %s, topic %r)",
+            self.endpoint,
+            self.replay_endpoint or "none",
+            self._topic.decode(),
+        )
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch for the thread (one producer: the step loop); a full queue drops it

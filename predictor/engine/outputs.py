@@ -62,8 +62,9 @@ class Outputs:
             if not kept:
                 break
             rows = [verifying[v][1] + position for v in kept]  # the token after the draft
-            nexts = [d[position] if position < len(d) else None
-                     for d in (verifying[v][2] for v in kept)]  # fmt: skip
+            nexts = [
+                d[position] if position < len(d) else None for d in (verifying[v][2] for v in kept)
+            ]
             self.accept([verifying[v][0] for v in kept], select_rows(logits, rows), nexts)
             active = [v for v in kept if position < len(verifying[v][2])]
         per_position = [0] * max((len(d) for _, _, d in verifying), default=0)
@@ -96,9 +97,13 @@ class Outputs:
         for i, (request, token, logprob) in enumerate(rows):
             if token == NO_TOKEN_ALLOWED and request.params.grammar is not None:
                 param = request.params.grammar.param  # the request's constraint, not the model
-                request.finish(FinishReason.ERROR, request.detokenizer.flush(), error_param=param,
-                           error=f"no text satisfies '{param}' past what was generated: it "
-                           "allows no next token")  # fmt: skip
+                request.finish(
+                    FinishReason.ERROR,
+                    request.detokenizer.flush(),
+                    error_param=param,
+                    error=f"no text satisfies '{param}' past what was generated: it "
+                    "allows no next token",
+                )
                 continue
             if token < 0:
                 request.finish(FinishReason.ERROR, error="the model produced non-finite logits")
@@ -163,9 +168,12 @@ class Outputs:
             request.finish(FinishReason.EOS, text, token_ids=ids, logprobs=logprobs)
         elif request.detokenizer.stopped:
             request.finish(
-                FinishReason.STOP, text, token_ids=ids, logprobs=logprobs,
+                FinishReason.STOP,
+                text,
+                token_ids=ids,
+                logprobs=logprobs,
                 stop_sequence=request.detokenizer.matched,
-            )  # fmt: skip
+            )
         elif generated >= request.params.max_tokens:
             text += request.detokenizer.flush()
             request.finish(FinishReason.LENGTH, text, token_ids=ids, logprobs=logprobs)

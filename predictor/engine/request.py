@@ -152,10 +152,15 @@ class Request:
             reasoning, text = self.thinking.splitter.feed(text)
         self.sink(
             TokenEvent(
-                self.request_id, text, token_ids, logprobs=logprobs, prompt=self._prompt(),
-                first_usage=self.usage if first else None, reasoning=reasoning,
+                self.request_id,
+                text,
+                token_ids,
+                logprobs=logprobs,
+                prompt=self._prompt(),
+                first_usage=self.usage if first else None,
+                reasoning=reasoning,
             )
-        )  # fmt: skip
+        )
 
     def finish(
         self,
@@ -180,8 +185,17 @@ class Request:
             reasoning, text = reasoning + held, text + rest
         self.sink(
             TokenEvent(
-                self.request_id, text, token_ids, reason, self.usage, error, logprobs, prompt,
-                error_param, RequestTimes(self.arrival, self.scheduled, tuple(self.preempted_at)),
-                stop_sequence, reasoning=reasoning,
+                self.request_id,
+                text,
+                token_ids,
+                reason,
+                self.usage,
+                error,
+                logprobs,
+                prompt,
+                error_param,
+                RequestTimes(self.arrival, self.scheduled, tuple(self.preempted_at)),
+                stop_sequence,
+                reasoning=reasoning,
             )
-        )  # fmt: skip
+        )

@@ -17,13 +17,36 @@ from predictor.errors import InvalidRequest
 # JSON schema keywords xgrammar 0.2.9 enforces (the rest are refused, not ignored)
 SCHEMA_KEYWORDS = frozenset(
     {
-        "type", "properties", "required", "additionalProperties", "items", "prefixItems",
-        "minItems", "maxItems", "enum", "const", "anyOf", "$ref", "$defs", "definitions",
-        "pattern", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "title", "description", "default", "examples", "$schema", "$id",
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "items",
+        "prefixItems",
+        "minItems",
+        "maxItems",
+        "enum",
+        "const",
+        "anyOf",
+        "$ref",
+        "$defs",
+        "definitions",
+        "pattern",
+        "minLength",
+        "maxLength",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
         "$comment",
     }
-)  # fmt: skip
+)
 _DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 _NAMED = frozenset({"properties", "$defs", "definitions"})  # name -> schema maps
 # A schema with one of these is that branch alone: xgrammar drops any constraint beside it.
@@ -32,10 +55,17 @@ _BRANCHES = ("$ref", "const", "enum", "anyOf")
 # object or an array (`_SHAPES`); on any other it writes any JSON value and drops them.
 _SCALAR = frozenset(
     {
-        "minLength", "maxLength", "pattern", "minimum", "maximum", "exclusiveMinimum",
-        "exclusiveMaximum", "minItems", "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "minItems",
+        "maxItems",
     }
-)  # fmt: skip
+)
 _SHAPES = frozenset({"properties", "additionalProperties", "items", "prefixItems"})
 _CONSTRAINTS = _SCALAR | _SHAPES | {"required"}
 

@@ -367,10 +367,13 @@ class Policy:
         if rows not in self._plain:
             return granted  # first a plain step of so many rows, to measure
         gains = sorted(
-            ((first * later ** (j - 1), i) for i, (count, first, later) in enumerate(offers)
-             for j in range(1, count + 1)),
+            (
+                (first * later ** (j - 1), i)
+                for i, (count, first, later) in enumerate(offers)
+                for j in range(1, count + 1)
+            ),
             reverse=True,
-        )  # fmt: skip
+        )
         if not gains:
             return granted
         tokens, seconds, extra = float(rows), self.plain(rows), self.per_draft(rows)

@@ -301,8 +301,12 @@ class StepLoop:
         self._sleep.free(runner)
         del runner  # the last reference: the collector finds what only cycles hold
         self._sleep.release()
-        log.info("asleep (%s): the model and its KV cache freed in %.2f s, %d rows to recompute",
-                 reason, time.perf_counter() - started, len(suspended))  # fmt: skip
+        log.info(
+            "asleep (%s): the model and its KV cache freed in %.2f s, %d rows to recompute",
+            reason,
+            time.perf_counter() - started,
+            len(suspended),
+        )
         self._tell(self._stats(Schedule(preempted=suspended), slept=reason))
 
     def _reload(self) -> bool:

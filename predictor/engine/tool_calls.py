@@ -18,7 +18,21 @@ from predictor.engine.tool_formats.hermes import (
 )
 
 __all__ = [
-    "ARGUMENTS", "BEGIN", "END", "HEAD", "SEPARATOR", "SYSTEM_PROMPT", "TAIL", "Choice", "Delta",
-    "StreamParser", "ToolCall", "call_text", "native", "plain_conversation", "schemas", "split",
+    "ARGUMENTS",
+    "BEGIN",
+    "END",
+    "HEAD",
+    "SEPARATOR",
+    "SYSTEM_PROMPT",
+    "TAIL",
+    "Choice",
+    "Delta",
+    "StreamParser",
+    "ToolCall",
+    "call_text",
+    "native",
+    "plain_conversation",
+    "schemas",
+    "split",
     "structural_tag",
-]  # fmt: skip
+]

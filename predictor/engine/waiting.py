@@ -39,8 +39,10 @@ class WaitingQueue:
         with self.lock:
             if len(self._items) + len(requests) > self.limit:
                 more = f", {len(requests)} more do not fit" if len(requests) > 1 else ""
-                raise Overloaded(f"server is busy: {len(self._items)} requests already "
-                                 f"waiting{more}; retry later")  # fmt: skip
+                raise Overloaded(
+                    f"server is busy: {len(self._items)} requests already "
+                    f"waiting{more}; retry later"
+                )
             for request in requests:
                 bisect.insort_right(self._items, request, key=order)
 

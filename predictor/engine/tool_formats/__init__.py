@@ -28,8 +28,12 @@ HERMES = Hermes()
 FORMATS: dict[str, ToolFormat] = {
     f.name: f for f in (HERMES, LLAMA3_JSON, MISTRAL, PHI4_MINI_JSON, PYTHONIC)
 }
-ALIASES = {"qwen": "hermes", "qwen3_xml": "hermes", "llama4_json": "llama3_json",
-           "phi4_mini": "phi4_mini_json"}  # fmt: skip
+ALIASES = {
+    "qwen": "hermes",
+    "qwen3_xml": "hermes",
+    "llama4_json": "llama3_json",
+    "phi4_mini": "phi4_mini_json",
+}
 NAMES = tuple(FORMATS)
 
 # (what the template holds, the format): the first match wins; none: hermes

@@ -104,14 +104,20 @@ def structural_tag(functions: Sequence[Mapping[str, Any]], choice: Choice, paral
     tags = [_tag(f) for f in functions if choice in ("auto", "required") or f["name"] == choice]
     if choice == "auto":
         form: dict[str, Any] = {
-            "type": "triggered_tags", "triggers": [BEGIN], "tags": tags,
-            "at_least_one": False, "stop_after_first": not parallel,
-        }  # fmt: skip
+            "type": "triggered_tags",
+            "triggers": [BEGIN],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": not parallel,
+        }
     elif choice == "required":
         form = {
-            "type": "tags_with_separator", "tags": tags, "separator": SEPARATOR,
-            "at_least_one": True, "stop_after_first": not parallel,
-        }  # fmt: skip
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": SEPARATOR,
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
     else:
         (form,) = tags
     return json.dumps({"type": "structural_tag", "format": form}, ensure_ascii=False)

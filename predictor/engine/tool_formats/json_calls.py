@@ -91,20 +91,29 @@ class JsonCalls:
             self._tag(f) for f in functions if choice in ("auto", "required") or f["name"] == choice
         ]
         calls: dict[str, Any] = {
-            "type": "tags_with_separator", "tags": tags, "separator": self.separator,
-            "at_least_one": True, "stop_after_first": not parallel or choice not in
-            ("auto", "required"),
-        }  # fmt: skip
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": self.separator,
+            "at_least_one": True,
+            "stop_after_first": not parallel or choice not in ("auto", "required"),
+        }
         block = calls
         if self.block_begin or self.block_end:
-            block = {"type": "tag", "begin": self.block_begin, "content": calls,
-                     "end": self.block_end}  # fmt: skip
+            block = {
+                "type": "tag",
+                "begin": self.block_begin,
+                "content": calls,
+                "end": self.block_end,
+            }
         if choice == "auto":
             trigger = self.block_begin or self.call_begin or '{"name": "'
             form: dict[str, Any] = {
-                "type": "triggered_tags", "triggers": [trigger], "tags": [block],
-                "at_least_one": False, "stop_after_first": True,
-            }  # fmt: skip
+                "type": "triggered_tags",
+                "triggers": [trigger],
+                "tags": [block],
+                "at_least_one": False,
+                "stop_after_first": True,
+            }
             if not self.block_begin:  # each call its own tag (Phi-4-mini), or none (Llama 3)
                 form["tags"] = tags
                 form["triggers"] = [self.call_begin or '{"name": "']

@@ -317,8 +317,12 @@ def _arguments(parameters: Mapping[str, Any]) -> dict[str, Any]:
 
 def _tag(function: Mapping[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "tag", "begin": f"{function['name']}(", "content": _arguments(parameters),
-            "end": ")"}  # fmt: skip
+    return {
+        "type": "tag",
+        "begin": f"{function['name']}(",
+        "content": _arguments(parameters),
+        "end": ")",
+    }
 
 
 def structural_tag(functions: Sequence[Mapping[str, Any]], choice: Choice, parallel: bool) -> str:
@@ -332,17 +336,29 @@ def structural_tag(functions: Sequence[Mapping[str, Any]], choice: Choice, paral
             others = {"type": "or", "elements": tags} if len(tags) > 1 else tags[0]
             more = [{"type": "star", "content": _sequence(_const(SEPARATOR), others)}]
         lists = [
-            {"type": "tag", "begin": f"[{t['begin']}",
-             "content": _sequence(t["content"], _const(")"), *more), "end": "]"}
+            {
+                "type": "tag",
+                "begin": f"[{t['begin']}",
+                "content": _sequence(t["content"], _const(")"), *more),
+                "end": "]",
+            }
             for t in tags
-        ]  # fmt: skip
+        ]
         form: dict[str, Any] = {
-            "type": "triggered_tags", "triggers": [t["begin"] for t in lists], "tags": lists,
-            "at_least_one": False, "stop_after_first": True,
-        }  # fmt: skip
+            "type": "triggered_tags",
+            "triggers": [t["begin"] for t in lists],
+            "tags": lists,
+            "at_least_one": False,
+            "stop_after_first": True,
+        }
     else:
-        calls = {"type": "tags_with_separator", "tags": tags, "separator": SEPARATOR,
-                 "at_least_one": True, "stop_after_first": single}  # fmt: skip
+        calls = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": SEPARATOR,
+            "at_least_one": True,
+            "stop_after_first": single,
+        }
         form = {"type": "tag", "begin": "[", "content": calls, "end": "]"}
     return json.dumps({"type": "structural_tag", "format": form}, ensure_ascii=False)
 
