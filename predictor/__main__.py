@@ -54,8 +54,11 @@ def serving_kernel(settings: Settings, model_dir: Path) -> Settings:
     recorded = recorded_kernel(model_dir) if model.kernel == "auto" and on_cpu else None
     if recorded is None:  # (the build chose among the CPU's kernels)
         return settings
-    log.info("kernel %s: chosen by the checkpoint's build (quality.json, 'serve'); "
-             "--kernel autotune for the autotune's", recorded)  # fmt: skip
+    log.info(
+        "kernel %s: chosen by the checkpoint's build (quality.json, 'serve'); "
+        "--kernel autotune for the autotune's",
+        recorded,
+    )
     return replace(settings, model=replace(model, kernel=recorded))
 
 
@@ -105,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # What the imports made lives as long as the process: out of the collector's sight now, so
     # that the full collection gptqmodel runs after loading the checkpoint, and ours before
-    # serving, walk only what the load made (0.33 + 0.36 s -> 0.17 s of a start, Zen 5).
+    # serving, walk only what the load made (a shorter start).
     gc.freeze()
     held = taken(_binds(settings.server))
     if held:
@@ -126,8 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 shape = attention_shape(model_dir)
                 attention = None if shape is None else (*shape, settings.cache.kv_block_size)
                 build_in_background(library_cache(model.autotune_dir), attention)
-            loaded = load_checkpoint(model_dir, model.device, threads=1, kernel=model.kernel,
-                                     served=True)  # fmt: skip
+            loaded = load_checkpoint(
+                model_dir, model.device, threads=1, kernel=model.kernel, served=True
+            )
         startup.mark("load")
     except CheckpointError as exc:
         print(f"predictor: {exc}", file=sys.stderr)
@@ -148,11 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"predictor: {exc}", file=sys.stderr)
         return 2
     template = getattr(loaded.tokenizer, "chat_template", None)
-    tool_format = choose(template if isinstance(template, str) else None,
-                         model.tool_call_parser or None)  # fmt: skip
+    tool_format = choose(
+        template if isinstance(template, str) else None, model.tool_call_parser or None
+    )
     log.info("tool calls in the %s format", tool_format.name)
-    limits = Limits(settings.limits.default_max_tokens, settings.limits.max_json_depth,
-                    tool_format.name, engine.inputs.reasoning is not None)  # fmt: skip
+    limits = Limits(
+        settings.limits.default_max_tokens,
+        settings.limits.max_json_depth,
+        tool_format.name,
+        engine.inputs.reasoning is not None,
+    )
     predictor = LLMPredictor(name, engine, limits, observer, admin=engine)
     adapters = [
         AdapterPredictor(adapter, predictor, path) for adapter, path in settings.lora.adapters
@@ -160,8 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     adapters += [AdapterPredictor(alias, predictor, None) for alias in model.model_aliases]
     names = [name, *(a.name for a in adapters)]
     if len(set(names)) < len(names):
-        print(f"predictor: the model, its other names and the LoRA adapters are named {names}: "
-              "each name once", file=sys.stderr)  # fmt: skip
+        print(
+            f"predictor: the model, its other names and the LoRA adapters are named {names}: "
+            "each name once",
+            file=sys.stderr,
+        )
         return 2
     metrics.track_sleeping(engine.is_sleeping)
     count_errors(metrics.observe_error)
@@ -169,12 +181,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         served.load()
     log.info(
         "serving %s from %s on %s (kernel %s, %d threads)",
-        name, model_dir, loaded.device, loaded.kernel, model.torch_threads,
-    )  # fmt: skip
+        name,
+        model_dir,
+        loaded.device,
+        loaded.kernel,
+        model.torch_threads,
+    )
     server = PredictorServer(settings)
     # Everything loaded so far lives as long as the process: out of the collector's sight, so
-    # that a full collection walks only what requests allocate (measured here with the model
-    # loaded: gc.collect() held the GIL, and so every stream, for 153 ms). vLLM does the same.
+    # that a full collection walks only what requests allocate (with the model loaded, one
+    # held the GIL, and so every stream, for a pause a client sees). vLLM does the same.
     gc.collect()
     gc.freeze()
     try:

@@ -89,8 +89,14 @@ def build_engine(
         events=events,
         offload=offload,
     )
-    step_loop = StepLoop(runner, scheduler, loaded.eos_ids, on_prepared=on_prepared,
-                         vocab=len(loaded.tokenizer), sleep=sleep)  # fmt: skip
+    step_loop = StepLoop(
+        runner,
+        scheduler,
+        loaded.eos_ids,
+        on_prepared=on_prepared,
+        vocab=len(loaded.tokenizer),
+        sleep=sleep,
+    )
     # LoRA adapters are the runner's, which a sleep drops: a sleeping engine serves none
     adapters = None if sleep is not None else _adapters(settings.lora, runner, step_loop.run_chore)
     metrics.describe_cache(allocator.block_size, allocator.num_blocks, cache.prefix_caching)
@@ -139,9 +145,11 @@ def _kv_offload(
         return None
     if not isinstance(runner, ModelRunner):
         raise CheckpointError("--kv-offload-dir needs the CPU runner (not the GPU's or null)")
-    hasher = events.hasher if events is not None else BlockHasher(
-        allocator.block_size, cache.prefix_caching_hash_algo, _hash_seed(cache)
-    )  # fmt: skip
+    hasher = (
+        events.hasher
+        if events is not None
+        else BlockHasher(allocator.block_size, cache.prefix_caching_hash_algo, _hash_seed(cache))
+    )
     offload = Offload.open(
         Path(cache.kv_offload_dir),
         int(cache.kv_offload_size * 2**30),
@@ -214,16 +222,19 @@ def _sleep(
     if model_dir is None or not settings.model.sleeps:
         return None
     if settings.model.runner != "null" and loaded.device.type == "cuda":
-        raise CheckpointError("sleep frees the CPU runner's model: not on a GPU "
-                              "(--sleep-idle-seconds, --enable-sleep-mode)")  # fmt: skip
+        raise CheckpointError(
+            "sleep frees the CPU runner's model: not on a GPU "
+            "(--sleep-idle-seconds, --enable-sleep-mode)"
+        )
     vocab = len(loaded.tokenizer)
 
     def reload() -> Runner:
         if settings.model.runner == "null":
             return NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
         model = settings.model
-        again = load_checkpoint(model_dir, model.device, threads=model.torch_threads,
-                                kernel=model.kernel, served=True)  # fmt: skip
+        again = load_checkpoint(
+            model_dir, model.device, threads=model.torch_threads, kernel=model.kernel, served=True
+        )
         runner = _cpu_runner(again.model, again.device, settings, allocator, invariant)
         if offload is not None:
             offload.copies = runner
@@ -275,9 +286,11 @@ def _kv_events(
         publisher.publish, cache.kv_block_size, cache.prefix_caching_hash_algo, seed
     )
     if os.environ.get("PYTHONHASHSEED") is None:
-        log.warning("PYTHONHASHSEED is not set: the KV events' block hashes are seeded at "
-                    "%s, so no router can compute them (vLLM's rule)",
-                    "random" if seed is None else "this server's own seed")  # fmt: skip
+        log.warning(
+            "PYTHONHASHSEED is not set: the KV events' block hashes are seeded at "
+            "%s, so no router can compute them (vLLM's rule)",
+            "random" if seed is None else "this server's own seed",
+        )
     return publisher, recorder
 
 
@@ -296,9 +309,9 @@ def _adapters(
     # read and laid out a slice at a time on the step loop's thread, between steps (at the
     # start, before it runs: here at once); StepLoop.run_chore says why
     def read(name: str, path: str) -> Adapter:
-        adapter: Adapter = run_chore(reading_adapter(
-            name, Path(path), lora.shapes, lora.layers, settings.max_lora_rank
-        ))  # fmt: skip
+        adapter: Adapter = run_chore(
+            reading_adapter(name, Path(path), lora.shapes, lora.layers, settings.max_lora_rank)
+        )
         log.info("LoRA adapter %s (rank %d) from %s", name, adapter.rank, path)
         return adapter
 

@@ -116,23 +116,32 @@ def add_arguments(parser: Flags) -> None:
     )
     # vLLM's switch for tool_choice "auto" (beside --tool-call-parser): always served here
     add_boolean(
-        parser, ["--enable-auto-tool-choice"], "enable_auto_tool_choice", False,
+        parser,
+        ["--enable-auto-tool-choice"],
+        "enable_auto_tool_choice",
+        False,
         "vLLM's; tool_choice auto needs no switch here",
-    )  # fmt: skip
+    )
     # KServe's preset passes these; each has no effect here, and says why
     add_boolean(
-        parser, ["--disable-uvicorn-access-log"], "disable_uvicorn_access_log", False,
+        parser,
+        ["--disable-uvicorn-access-log"],
+        "disable_uvicorn_access_log",
+        False,
         "vLLM's; probes and scrapes are logged at DEBUG here, other requests at INFO",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--disable-access-log-for-endpoints",
         metavar="PATHS",
         help="vLLM's (comma-separated paths); probes and scrapes are logged at DEBUG here",
     )
     add_boolean(
-        parser, ["--enable-ssl-refresh"], "enable_ssl_refresh", False,
+        parser,
+        ["--enable-ssl-refresh"],
+        "enable_ssl_refresh",
+        False,
         "vLLM's; the certificate and key are always read again when renewed here",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--collect-detailed-traces",
         metavar="MODULES",
@@ -164,13 +173,16 @@ def lora_module(entry: str) -> tuple[str, str]:
         name, path = (spec.get("name"), spec.get("path")) if isinstance(spec, dict) else (0, 0)
         unknown = sorted(set(spec) - set(LORA_MODULE_KEYS)) if isinstance(spec, dict) else []
         if unknown:
-            raise ValueError(f"--lora-modules: {entry!r} has unknown key(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(LORA_MODULE_KEYS)})")  # fmt: skip
+            raise ValueError(
+                f"--lora-modules: {entry!r} has unknown key(s) {', '.join(unknown)} "
+                f"(known: {', '.join(LORA_MODULE_KEYS)})"
+            )
     else:
         name, _, path = entry.partition("=")
     if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
-        raise ValueError(f"--lora-modules: {entry!r} is neither NAME=PATH nor "
-                         '{"name": NAME, "path": PATH}')  # fmt: skip
+        raise ValueError(
+            f'--lora-modules: {entry!r} is neither NAME=PATH nor {{"name": NAME, "path": PATH}}'
+        )
     return name, path
 
 
@@ -202,23 +214,28 @@ def kv_events_config(text: str) -> KVEventsConfig | None:
     kinds = {f.name: type(f.default) for f in fields(KVEventsConfig)}
     unknown = sorted(set(spec) - set(kinds))
     if unknown:
-        raise ValueError(f"--kv-events-config: unknown key(s) {', '.join(unknown)} (known: "
-                         f"{', '.join(kinds)})")  # fmt: skip
+        raise ValueError(
+            f"--kv-events-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(kinds)})"
+        )
     for key, value in spec.items():
         kind = str if key == "replay_endpoint" else kinds[key]
         ok = isinstance(value, kind) and (kind is not int or not isinstance(value, bool))
         if not ok and not (key == "replay_endpoint" and value is None):
-            raise ValueError(f"--kv-events-config: {key} must be of type {kind.__name__}, "
-                             f"not {value!r}")  # fmt: skip
+            raise ValueError(
+                f"--kv-events-config: {key} must be of type {kind.__name__}, not {value!r}"
+            )
     config = KVEventsConfig(**spec)
     if config.publisher not in ("", "zmq", "null"):
-        raise ValueError(f"--kv-events-config: publisher must be zmq or null, not "
-                         f"{config.publisher!r}")  # fmt: skip
+        raise ValueError(
+            f"--kv-events-config: publisher must be zmq or null, not {config.publisher!r}"
+        )
     if min(config.buffer_steps, config.hwm, config.max_queue_size) < 1:
         raise ValueError("--kv-events-config: buffer_steps, hwm and max_queue_size must be >= 1")
     if config.publishing and not config.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-        raise ValueError(f"--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// "
-                         f"address, not {config.endpoint!r}")  # fmt: skip
+        raise ValueError(
+            f"--kv-events-config: endpoint must be a tcp://, ipc:// or inproc:// "
+            f"address, not {config.endpoint!r}"
+        )
     return config
 
 
