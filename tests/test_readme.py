@@ -40,6 +40,13 @@ def test_readme_opens_with_the_two_commands() -> None:
     assert "make run" in head and "make test" in head
 
 
+def test_the_map_comes_before_the_features() -> None:
+    """The "Find your way" table is the first section, within the first screen."""
+    sections = re.findall(r"^## (.+)$", README, re.M)
+    assert sections[0] == "Find your way", sections
+    assert README[: README.index("## Find your way")].count("\n") < 50
+
+
 def test_the_docs_point_nowhere_outside_the_repository() -> None:
     for page in [*PAGES, REPO / "ARCHITECTURE.md", REPO / "load" / "README.md"]:
         assert "../shared" not in page.read_text(), page
