@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from predictor.protocols import generate, parameters
 from predictor.protocols.anthropic import bodies as anthropic_bodies
 from predictor.protocols.openai import requests as openai_requests
-from predictor.protocols.openai import responses_api
+from predictor.protocols.openai import responses_bodies
 from predictor.protocols.parameters import MAX_STOP_LENGTH, MAX_STOP_STRINGS, Parameter
 from predictor.protocols.v2 import TEXT_INPUT
 
@@ -123,5 +123,7 @@ MESSAGES_SCHEMA = {
     "required": [*COUNT_TOKENS_SCHEMA.get("required", []), "max_tokens"],
 }
 RESPONSES_SCHEMA = openai_schema(
-    responses_api.ResponsesBody, keys=responses_api.TABLE_KEYS, renames=responses_api.RENAMES
+    responses_bodies.ResponsesBody,
+    keys=responses_bodies.TABLE_KEYS,
+    renames=responses_bodies.RENAMES,
 )
