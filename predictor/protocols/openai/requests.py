@@ -1,9 +1,11 @@
 """OpenAI completions and chat completions request bodies -> our types.
 
-The sampling keys (max_tokens, temperature, stop, ...) are read by the one parameter table
-(`protocols/parameters.py`, with OpenAI's defaults and ranges); the rest of a body is checked by
+The bodies' models (completions, chat, vLLM's tokenize and detokenize) and what a body means:
+its prompts or turns, tools and sampling as engine requests, a choice each. A body is validated
+by `validation.validate_body`: the sampling keys (max_tokens, temperature, stop, ...) by the one
+parameter table (`protocols/parameters.py`, with OpenAI's defaults and ranges), the rest by these
 strict pydantic models: a wrong type, a value out of range or a field we do not know is an
-`InvalidRequest` naming it (`param`). Fields OpenAI defines that we cannot honour (functions,
+`InvalidRequest` naming it (`param`); fields OpenAI defines that we cannot honour (functions,
 audio, ...) are refused by name unless they hold their harmless default. Tools: the calls'
 format, grammar and parsing are the engine's (`engine/tool_formats/`: the model's format). The
 response shapes are in `protocols/openai/responses.py`, the routes in `serving/rest/completions.py`.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -36,13 +38,12 @@ from predictor.protocols.openai.messages import (
     tool_setup,
 )
 from predictor.protocols.openai.messages import Strict as _Strict
-from predictor.protocols.openai.validation import param_of, telling_error
+from predictor.protocols.openai.validation import param_of, telling_error, validate_body
 from predictor.types import GenerateRequest, SamplingParams
 
 MAX_CHOICES = 16  # n, and the number of prompts in one completions request
 MAX_TOP_LOGPROBS = 20
 SEED_MODULUS = parameters.SEED_LIMIT  # choice j of a seeded request uses (seed + j) mod 2**63
-PROTOCOL = "openai"
 
 
 # -- body models --------------------------------------------------------------------------------
@@ -100,45 +101,6 @@ class ChatBody(_Common):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
 
-def _empty(value: Any) -> bool:
-    return value in ([], {})
-
-
-# OpenAI fields we cannot honour: refused by name unless they hold a value that asks for nothing.
-_HARMLESS: dict[str, Callable[[Any], bool]] = {
-    "functions": _empty,  # deprecated by OpenAI for tools, which we take
-    "function_call": lambda v: v == "none",
-    "echo": lambda v: v is False,  # chat's; completions take it (CompletionBody)
-    "suffix": lambda v: v == "",
-    "modalities": lambda v: v == ["text"],
-    "store": lambda v: v is False,
-    "service_tier": lambda v: v in ("auto", "default"),
-    "audio": lambda v: False,
-    "prediction": lambda v: False,
-    "reasoning_effort": lambda v: False,
-    "web_search_options": lambda v: False,
-    "metadata": lambda v: False,
-}
-
-
-def _without_refused(body: Any, taken: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """The body without nulls and harmless defaults; `taken`: keys the route's body model
-    has, which _HARMLESS does not judge there."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    kept: dict[str, Any] = {}
-    for key, value in body.items():
-        if value is None:  # JSON null: the default, for every optional field
-            continue
-        harmless = None if key in taken else _HARMLESS.get(key)
-        if harmless is not None:
-            if not harmless(value):
-                raise InvalidRequest(f"'{key}' is not supported by this server", param=key)
-            continue
-        kept[key] = value
-    return kept
-
-
 _FIELD_NAMES = frozenset(
     name
     for model in (
@@ -159,7 +121,7 @@ _FIELD_NAMES = frozenset(
 
 
 Body = TypeVar("Body", bound=_Common)
-Body2 = TypeVar("Body2", bound=_Strict)
+Model = TypeVar("Model", bound=_Strict)
 
 
 def _validate(
@@ -168,58 +130,6 @@ def _validate(
     """The body's own fields, and its sampling keys read by the parameter table. `renames`: keys
     that are another name of a table key on this route (chat's max_completion_tokens)."""
     return validate_body(model, body, default_max_tokens, _FIELD_NAMES, renames)
-
-
-def validate_body(
-    model: type[Body2],
-    body: Any,
-    default_max_tokens: int,
-    field_names: frozenset[str],
-    renames: Mapping[str, str] | None = None,
-    table_keys: frozenset[str] | None = None,
-) -> tuple[Body2, parameters.Values]:
-    """`_validate` for any OpenAI body: `field_names` are the names errors may give as `param`;
-    `table_keys` the table's keys this route takes (None: all of OpenAI's; the rest are the
-    body model's, which refuses what it does not know)."""
-    kept = _without_refused(body, frozenset(model.model_fields))
-    table = set(parameters.names(PROTOCOL) if table_keys is None else table_keys)
-    sampling_keys = {k: v for k, v in kept.items() if k in table}
-    for key, name in (renames or {}).items():
-        if key in kept:
-            if name in sampling_keys and sampling_keys[name] != kept[key]:
-                raise InvalidRequest(f"'{name}' and '{key}' disagree", param=name)
-            sampling_keys[name] = kept[key]
-    rest = {k: v for k, v in kept.items() if k not in table and k not in (renames or {})}
-    values = _read_renamed(sampling_keys, default_max_tokens, renames or {}, kept)
-    try:
-        return model.model_validate(rest), values
-    except ValidationError as exc:
-        error = telling_error(exc, field_names)
-        loc = error["loc"]
-        if error["type"] == "extra_forbidden":  # the unknown key itself is the last part
-            param = param_of(loc, field_names | {str(loc[-1])})
-            raise InvalidRequest(f"'{param}' is not supported by this server", param=param) from exc
-        param = param_of(loc, field_names)
-        message = f"'{param}': {error['msg']}" if param else str(error["msg"])
-        raise InvalidRequest(message, param=param or None) from exc
-
-
-def _read_renamed(
-    sampling_keys: dict[str, Any],
-    default_max_tokens: int,
-    renames: Mapping[str, str],
-    given: Mapping[str, Any],
-) -> parameters.Values:
-    """The table's read, its errors naming the key the client gave (a renamed key by the name
-    it was sent under: Responses' max_output_tokens, not max_tokens)."""
-    try:
-        return parameters.read(sampling_keys, PROTOCOL, default_max_tokens)
-    except InvalidRequest as exc:
-        sent = next((k for k, n in renames.items() if n == exc.param and k in given), None)
-        if sent is None or exc.param is None:
-            raise
-        message = str(exc).replace(f"'{exc.param}'", f"'{sent}'")
-        raise InvalidRequest(message, param=sent) from exc
 
 
 def requested_model(body: Any) -> str | None:
@@ -364,7 +274,7 @@ class DetokenizeBody(_Strict):
     tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]
 
 
-def _strict(model: type[Body2], body: Any) -> Body2:
+def _strict(model: type[Model], body: Any) -> Model:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     try:

@@ -4,7 +4,7 @@ A Responses body says what a chat completions body says in other words: `instruc
 `input` (text, or items: messages, function calls and their outputs) are the conversation,
 `tools` are flat function definitions, `text.format` is the response format and
 `max_output_tokens` is max_tokens. So it is translated into chat's own pieces (`messages.Message`,
-`messages.tool_setup`, the parameter table through `requests.validate_body`) and becomes the same
+`messages.tool_setup`, the parameter table through `validation.validate_body`) and becomes the same
 GenerateRequest a chat request becomes; nothing of chat's logic is repeated here.
 
 Stateless: nothing is kept, so `store` is accepted (true or false) and ignored, and
@@ -43,7 +43,7 @@ from predictor.protocols.openai.messages import (
     conversation,
     tool_setup,
 )
-from predictor.protocols.openai.requests import NO_THINKING_EFFORTS, validate_body
+from predictor.protocols.openai.requests import NO_THINKING_EFFORTS
 from predictor.protocols.openai.responses_bodies import (
     FIELD_NAMES,
     INCLUDABLE,
@@ -62,7 +62,7 @@ from predictor.protocols.openai.responses_bodies import (
     ReasoningItem,
     ResponsesBody,
 )
-from predictor.protocols.openai.validation import param_of, telling_error
+from predictor.protocols.openai.validation import param_of, telling_error, validate_body
 from predictor.types import GenerateRequest
 
 
