@@ -24,7 +24,7 @@ Progress = Callable[[str], None]
 
 
 class Loaded(Protocol):
-    """A loaded checkpoint (evaluate.Candidate): its transformers model and tokenizer."""
+    """A loaded checkpoint (perplexity.Candidate): its transformers model and tokenizer."""
 
     @property
     def model(self) -> Any: ...

@@ -26,8 +26,9 @@ from predictor.model.builds import (
     write_report,
 )
 from predictor.model.env import cpu_name
-from predictor.model.evaluate import format_report, tokens_available
+from predictor.model.evaluate import format_report
 from predictor.model.gguf_source import export_gguf, is_gguf, read_gguf
+from predictor.model.perplexity import tokens_available
 from predictor.model.precision import calibration_dtype
 from predictor.model.progress import Progress, format_duration, timed_phase
 from predictor.model.recipe import Recipe, source_texts

@@ -12,8 +12,8 @@ from typing import Any
 
 from predictor.errors import UnsupportedModel
 from predictor.families import check_family
-from predictor.model.evaluate import TEXTS, sequence_perplexity, text_ids, tokens_available
 from predictor.model.gguf_source import is_gguf, read_gguf
+from predictor.model.perplexity import TEXTS, sequence_perplexity, text_ids, tokens_available
 from predictor.model.served import served_figures
 
 

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import torch
 
-from predictor.model.evaluate import TEXTS, text_ids
 from predictor.model.loader import load_checkpoint
+from predictor.model.perplexity import TEXTS, text_ids
 from tests.conftest import DEFAULT_MODEL
 from tests.support import ServerProcess
 

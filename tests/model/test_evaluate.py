@@ -13,16 +13,14 @@ import pytest
 
 from predictor.model import reference_cache
 from predictor.model.agreement import PROMPTS, greedy_sequences
-from predictor.model.evaluate import (
+from predictor.model.evaluate import QualityReport, evaluate, main
+from predictor.model.perplexity import (
     MAX_TOKENS,
     TEST_TEXT,
     TEXTS,
     VALIDATION_TEXT,
-    QualityReport,
     checkpoint_kind,
-    evaluate,
     load_candidate,
-    main,
     text_ids,
 )
 from predictor.model.quantize import QUALITY_FILE, build_default_model, gate

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from predictor.model import reference_cache
-from predictor.model.evaluate import TEST_TEXT, TEXTS, WINDOW, reference_settings, text_ids
+from predictor.model.evaluate import reference_settings
+from predictor.model.perplexity import TEST_TEXT, TEXTS, WINDOW, text_ids
 from tests.conftest import REPO
 from tests.support import worker_cores
 
@@ -73,7 +74,7 @@ def test_the_shipped_figures_are_the_exported_sources_on_this_machine(tmp_path: 
     import torch
 
     from predictor.model.agreement import next_token_choices
-    from predictor.model.evaluate import load_candidate, window_losses
+    from predictor.model.perplexity import load_candidate, window_losses
 
     shipped = reference_cache.shipped()
     folder = tmp_path / "fp"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from predictor.model.evaluate import sequence_perplexity
+from predictor.model.perplexity import sequence_perplexity
 from predictor.model.served import served_figures, served_perplexity
 
 

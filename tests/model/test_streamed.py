@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from predictor.model.evaluate import load_candidate
 from predictor.model.loader import load_checkpoint
+from predictor.model.perplexity import load_candidate
 from predictor.model.streamed import StreamedLinear
 
 
