@@ -284,53 +284,26 @@ class StepLoop:
         return self._sleep is not None and self.runner is not None and self._sleep.due(idle_for)
 
     def _fall_asleep(self, reason: str) -> None:
-        """Drop the runner and everything the KV cache held (its blocks are the runner's
-        pools): the running rows preempted, the prefix cache emptied (AllBlocksCleared)."""
+        """Drop the runner and everything the KV cache held (`Sleep.fall_asleep`)."""
         assert self._sleep is not None
-        started = time.perf_counter()
-        suspended = self.scheduler.preempt_all()
-        now = self._clock()
-        for request in suspended:
-            request.preempted_at.append(now)
-        self._sleep.keep()  # before the cached blocks go
-        self.scheduler.reset_prefix_cache()  # no row holds a block now: always done
-        if self.scheduler.events is not None:
-            self.scheduler.events.flush()
-        runner, self.runner = self.runner, None
-        assert runner is not None
-        self._sleep.free(runner)
-        del runner  # the last reference: the collector finds what only cycles hold
-        self._sleep.release()
-        log.info(
-            "asleep (%s): the model and its KV cache freed in %.2f s, %d rows to recompute",
-            reason,
-            time.perf_counter() - started,
-            len(suspended),
-        )
+        suspended = self._sleep.fall_asleep(self.scheduler, self._take_runner, self._clock, reason)
         self._tell(self._stats(Schedule(preempted=suspended), slept=reason))
 
+    def _take_runner(self) -> Runner:
+        """The runner, no longer the loop's: the caller holds its last reference."""
+        runner, self.runner = self.runner, None
+        assert runner is not None
+        return runner
+
     def _reload(self) -> bool:
-        """Build and bind the runner again (the requests meanwhile wait in the queue); where
-        that fails, the waiting requests fail with the reason and the engine stays asleep (the
-        next request tries again)."""
+        """Build and bind the runner again (`Sleep.wake`); False where that failed."""
         assert self._sleep is not None
         started = time.perf_counter()
-        try:
-            runner = self._sleep.reload()
-            runner.bind_thread()
-        except Exception:
-            log.exception("waking up: the model could not be loaded again")
-            for request in self.scheduler.drain():
-                request.finish(FinishReason.ERROR, error="the model could not be loaded again")
-            self._busy_at = self._clock()
-            self._tell(self._stats(Schedule()))
-            return False
-        self.runner = runner
+        self.runner = self._sleep.wake(self.scheduler)
         self._busy_at = self._clock()  # idle from now: a wake with nothing to do sleeps later
-        woke = time.perf_counter() - started
-        log.info("awake: the model loaded again in %.2f s", woke)
+        woke = time.perf_counter() - started if self.runner is not None else 0.0
         self._tell(self._stats(Schedule(), woke=woke))
-        return True
+        return self.runner is not None
 
     def _stats(
         self,
