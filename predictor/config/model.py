@@ -158,7 +158,7 @@ class ModelSettings:
         """--threads, or the CPUs this process may use (`usable_cpus`: a container's CPU limit,
         not the node's cores) less SERVING_CORES, at least one: the event loop, HTTP and gRPC
         need a core of their own, as vLLM-CPU reserves one. On 2 cores, 2 compute threads gave
-        0.51x the tokens/s of 1 at C=1 and 0.97x at C=16 (load/bench_threads.py,
+        fewer tokens/s than 1, at one request and at many (load/bench_threads.py,
         load/RESULTS.md)."""
         if self.threads > 0:
             return self.threads

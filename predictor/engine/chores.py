@@ -2,10 +2,10 @@
 
 A chore is a generator that yields between its slices and returns its result (a LoRA adapter's
 read, `model/lora.py` reading_adapter, and its layouts, `LoraWeights.adding`). Work done on
-another thread while steps run (~60 ms of CPU in hundreds of torch ops for an adapter) takes the
-GIL at each of its ops from the step thread and from the event loop that delivers the tokens;
-sliced between steps, a step waits at most one slice (a few milliseconds) and nothing else
-waits. Thread-safe: any thread submits, the loop's thread runs the slices.
+another thread while steps run (hundreds of torch ops for an adapter) takes the GIL at each of
+its ops from the step thread and from the event loop that delivers the tokens; sliced between
+steps, a step waits at most one slice (a few milliseconds) and nothing else waits. Thread-safe:
+any thread submits, the loop's thread runs the slices.
 """
 
 from __future__ import annotations

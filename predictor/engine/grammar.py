@@ -62,7 +62,7 @@ from predictor.types import Grammar
 MAX_GRAMMAR_CHARS = 64 * 1024
 COMPILE_NICENESS = 10  # of the compile threads (0: as the rest of the server)
 # how long a compile holds a pool thread while another waits for one (then it runs on at the
-# lowest priority, beside the pool): a one-property schema compiles in ~15 ms on 2 cores
+# lowest priority, beside the pool): long past a one-property schema's whole compile
 QUANTUM_SECONDS = 0.1
 
 

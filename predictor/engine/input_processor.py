@@ -105,7 +105,7 @@ class InputProcessor:
                 else [{"role": "user", "content": request.prompt}]
             )
             # a template only adds text: an overlong conversation is refused before rendering
-            # (jinja held the GIL for 8 ms at a time rendering a 4 MiB message)
+            # (jinja holds the GIL for the whole render of a message, however long)
             self._check_length(sum(map(len, _texts(conversation))))
             text = self._render(
                 conversation, request.tools, request.tool_format, request.chat_template_kwargs

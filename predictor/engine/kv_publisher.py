@@ -12,9 +12,9 @@ kept.
 (past that it is dropped and `on_drop` told: the metric predictor_kv_events_dropped_total), and
 where the deque was empty one byte goes down a pipe. The publisher's thread sleeps in one poll,
 GIL released, on that pipe and the replay socket, and empties the deque when woken: at most once
-a step, while the step's forward pass has let go of the GIL. (It woke every 5 ms before: 200
-GIL hand-overs a second cost 8% of tokens/s at C=16 subscribed, 16% with no subscriber, on a
-quiet 2-core Xeon.) zmq is imported by `start`, only when events are on.
+a step, while the step's forward pass has let go of the GIL. (A publisher woken on a timer
+takes the GIL from the step loop hundreds of times a second, which costs tokens/s, with or
+without a subscriber: load/RESULTS.md.) zmq is imported by `start`, only when events are on.
 """
 
 from __future__ import annotations
