@@ -280,23 +280,9 @@ class InputProcessor:
 
 # apply_chat_template's own arguments and what the engine passes: not a template variable
 _RESERVED = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "add_generation_prompt",
-        "tokenize",
-        "continue_final_message",
-        "return_dict",
-        "return_tensors",
-        "chat_template",
-        "tokenizer_kwargs",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_assistant_tokens_mask",
-    }
+    "conversation messages tools documents add_generation_prompt tokenize continue_final_message"
+    " return_dict return_tensors chat_template tokenizer_kwargs padding truncation max_length"
+    " return_assistant_tokens_mask".split()
 )
 
 

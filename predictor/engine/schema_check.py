@@ -16,36 +16,10 @@ from predictor.errors import InvalidRequest
 
 # JSON schema keywords xgrammar 0.2.9 enforces (the rest are refused, not ignored)
 SCHEMA_KEYWORDS = frozenset(
-    {
-        "type",
-        "properties",
-        "required",
-        "additionalProperties",
-        "items",
-        "prefixItems",
-        "minItems",
-        "maxItems",
-        "enum",
-        "const",
-        "anyOf",
-        "$ref",
-        "$defs",
-        "definitions",
-        "pattern",
-        "minLength",
-        "maxLength",
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "title",
-        "description",
-        "default",
-        "examples",
-        "$schema",
-        "$id",
-        "$comment",
-    }
+    "type properties required additionalProperties items prefixItems minItems maxItems enum"
+    " const anyOf $ref $defs definitions pattern minLength maxLength minimum maximum"
+    " exclusiveMinimum exclusiveMaximum title description default examples $schema $id"
+    " $comment".split()
 )
 _DATA = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
 _NAMED = frozenset({"properties", "$defs", "definitions"})  # name -> schema maps
@@ -54,17 +28,8 @@ _BRANCHES = ("$ref", "const", "enum", "anyOf")
 # Constraints xgrammar enforces only on a schema with a `type`, or whose keywords make it an
 # object or an array (`_SHAPES`); on any other it writes any JSON value and drops them.
 _SCALAR = frozenset(
-    {
-        "minLength",
-        "maxLength",
-        "pattern",
-        "minimum",
-        "maximum",
-        "exclusiveMinimum",
-        "exclusiveMaximum",
-        "minItems",
-        "maxItems",
-    }
+    "minLength maxLength pattern minimum maximum exclusiveMinimum exclusiveMaximum minItems"
+    " maxItems".split()
 )
 _SHAPES = frozenset({"properties", "additionalProperties", "items", "prefixItems"})
 _CONSTRAINTS = _SCALAR | _SHAPES | {"required"}
