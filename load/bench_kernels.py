@@ -104,7 +104,7 @@ class Rows:
     def __init__(self, model: Any, batch: int, context: int, seed: int = 0) -> None:
         import torch
 
-        from predictor.engine.runners.model import ModelRunner
+        from predictor.engine.runners.cpu import ModelRunner
         from predictor.engine.step import StepRow
 
         self.block = 16
@@ -139,7 +139,7 @@ def rss_child(args: argparse.Namespace) -> None:
     import torch
     import transformers  # noqa: F401
 
-    import predictor.engine.runners.model  # noqa: F401  (imports counted in the baseline)
+    import predictor.engine.runners.cpu  # noqa: F401  (imports counted in the baseline)
 
     torch.set_num_threads(1)
     read_tokens(args.model_dir)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from load.random_gptq import SHAPES, Layout, write_checkpoint
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.model.loader import load_checkpoint
 

@@ -31,7 +31,7 @@ import httpx
 
 from load.local_server import local_server
 from load.random_lora import write_adapter
-from predictor.engine.runners.native import cpu_model
+from predictor.engine.runners.native.bindings import cpu_model
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = [line for line in (REPO / "load" / "prompts.txt").read_text().splitlines() if line]

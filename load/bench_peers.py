@@ -55,7 +55,7 @@ from load import peer_shapes
 from load.bench_serving import PROMPTS, Api, hit_rate, level, one_stream, shared_prefix
 from load.local_server import REPO, free_port, local_server, wait_ready
 from load.random_gptq import SHAPES
-from predictor.engine.runners.native import cpu_model, relevant_flags
+from predictor.engine.runners.native.bindings import cpu_model, relevant_flags
 
 SECTION = "## Side by side with vLLM-CPU and llama.cpp"
 SHARED_SECTION = "## Shared prefix side by side"
@@ -376,7 +376,7 @@ def run_ours(
     return measured
 
 
-CHOICE_MARKS = ("kernels for CPU", "kernel (")  # engine/runners/autotune.py's log_choices
+CHOICE_MARKS = ("kernels for CPU", "kernel (")  # engine/runners/kernels/autotune.py's log_choices
 
 
 def kernel_choices(log: str) -> list[str]:

@@ -35,7 +35,7 @@ import httpx
 
 from load.bench_peers import gguf_file, llama_server
 from load.local_server import local_server
-from predictor.engine.runners.native import cpu_model
+from predictor.engine.runners.native.bindings import cpu_model
 
 PROMPTS = Path(__file__).resolve().parent / "speculation"
 KINDS = ("doc_qa", "code_edit", "json_extract", "chat")

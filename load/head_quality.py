@@ -21,7 +21,7 @@ def native_head(module: Any, name: str) -> Any:
     """An lm_head module whose matmul is one of the runner's head kernels."""
     import torch
 
-    from predictor.engine.runners.head_linear import head_candidates
+    from predictor.engine.runners.kernels.head_linear import head_candidates
 
     class NativeHead(torch.nn.Module):
         def __init__(self) -> None:

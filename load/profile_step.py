@@ -64,7 +64,7 @@ class PagedRows:
         import torch
 
         from predictor.engine.kv_cache import BlockAllocator, blocks_for
-        from predictor.engine.runners.model import ModelRunner
+        from predictor.engine.runners.cpu import ModelRunner
         from predictor.engine.step import StepRow
 
         self.StepRow = StepRow
@@ -99,7 +99,7 @@ class PaddedRows:
     def __init__(self, model: Any, rows: list[list[int]], pad_token_id: int) -> None:
         import torch
 
-        from predictor.engine.runners.model import ModelRunner
+        from predictor.engine.runners.cpu import ModelRunner
 
         self.runner: Any = ModelRunner(model, torch.device("cpu"), pad_token_id)
         self.last = self.runner.prefill(rows).argmax(-1).tolist()
@@ -164,7 +164,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import predictor
-    from predictor.engine.runners import model as runner_module
+    from predictor.engine.runners import cpu as runner_module
     from predictor.model.loader import load_checkpoint
 
     assert Path(predictor.__file__).resolve().is_relative_to(args.tree.resolve())

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from predictor import vllm_args
 from predictor.config import AUTOTUNE, ServerSettings, Settings, TelemetrySettings
-from predictor.engine.runners.native import build_in_background, library_cache
+from predictor.engine.runners.native.bindings import build_in_background, library_cache
 from predictor.engine.tool_formats import choose
 from predictor.engine_assembly import build_engine
 from predictor.errors import CheckpointError

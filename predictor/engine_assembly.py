@@ -22,8 +22,8 @@ from predictor.engine.kv_events import BlockHasher, Recorder
 from predictor.engine.kv_offload import ROOT_SEED, Offload
 from predictor.engine.kv_publisher import ZmqPublisher
 from predictor.engine.reasoning import choose_format
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.runners.memory import trim_heap
-from predictor.engine.runners.model import ModelRunner
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.sleep import Sleep

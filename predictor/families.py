@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from predictor.errors import UnsupportedModel
 
-# the CPU runner's families (engine/runners/model.py, what differs: engine/runners/family.py)
+# the CPU runner's families (engine/runners/cpu.py, what differs: engine/runners/family.py)
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # the GPU runner's (engine/runners/cuda/runner.py)
 GPU_MODEL_TYPES = ("llama",)

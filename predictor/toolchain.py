@@ -1,6 +1,6 @@
 """The system C compiler and this CPU's facts: what the native kernels are built with.
 
-The runner's kernels (predictor.engine.runners.native) and the model builder's scale search
+The runner's kernels (predictor.engine.runners.native.bindings) and the model builder's scale search
 (predictor.model.scale_search) are C sources compiled at first use into a shared library and
 loaded with ctypes; both take the compiler, the build and this CPU's model name and flags from
 here. No torch: callers pass tensors' addresses.

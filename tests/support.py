@@ -54,7 +54,7 @@ def native_cache() -> Path | None:
     calls the kernels itself: each instruction set's library is compiled once a run (the widest
     one also serves the servers; 8 s of compiling on a Xeon), not once a test process. None
     where no run set a folder."""
-    from predictor.engine.runners import native
+    from predictor.engine.runners.native import bindings as native
 
     folder = tune_cache()
     return native.library_cache(folder) if folder is not None else None

@@ -16,7 +16,7 @@ T = TypeVar("T")
 # Then the kernels of the runner's fused projections (TorchAtenLinear's weights): "auto" lets
 # the autotune choose per row count; a name from FUSED_KERNELS forces that one: torch's int4 op,
 # the weights expanded to bf16 and prepacked for oneDNN, or int4_matmul.c with fp32 or int8
-# activations (the widest instruction set, or the one named; engine/runners/native.py).
+# activations (the widest instruction set, or the one named; engine/runners/native/bindings.py).
 LOADER_KERNELS = ("auto", "gptq_torch_aten", "gptq_torch", "gptq_torch_int8", "dequantized")
 # auto, but not the kernel a checkpoint's build recorded for it (quality.json's `serve`)
 AUTOTUNE = "autotune"
@@ -26,7 +26,7 @@ NATIVE_KERNELS = tuple(
 )
 FUSED_KERNELS = ("int4_op", "prepacked_bf16", *NATIVE_KERNELS)
 KERNELS = (*LOADER_KERNELS, AUTOTUNE, *FUSED_KERNELS)
-# how decode rows attend: on a CPU native (engine/runners/native.py) or torch; on a GPU triton
+# how decode rows attend: on a CPU native (runners/native/bindings.py) or torch; on a GPU triton
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")
 SPECULATIVE = ("off", "ngram", "suffix")  # --speculative (engine/speculation.py)

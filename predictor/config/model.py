@@ -83,7 +83,7 @@ class ModelSettings:
         "(expanded once at load into plain Linear layers of the model's dtype: the same "
         "numbers, 4x the weight memory), or one kernel for every fused projection: int4_op "
         "(torch's), prepacked_bf16 (oneDNN), native_f32 / native_i8 "
-        "(engine/runners/int4_matmul.c, fp32 or int8 activations, the widest instruction set; "
+        "(runners/native/int4_matmul.c, fp32 or int8 activations, the widest instruction set; "
         "_avx2, _avx512, ... names one)",
         choices=KERNELS,
     )

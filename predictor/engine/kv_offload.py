@@ -48,7 +48,7 @@ SAMPLE_BYTES = 64 << 10
 
 
 class BlockCopies(Protocol):
-    """The runner's side: blocks' keys and values out of and into the cache (runners/model.py)."""
+    """The runner's side: blocks' keys and values out of and into the cache (runners/cpu.py)."""
 
     def kv_layout(self) -> dict[str, Any]:
         """What a block's payload depends on: dtype, layers, KV heads, head size, block size,

@@ -29,7 +29,7 @@ flags\t\t: fpu avx avx2 fma f16c avx512f avx512bw avx512_vnni avx_vnni amx_tile 
 PROBE = """
 import json, os, subprocess, torch
 from emulate.avx2_only import HELD
-from predictor.engine.runners import native
+from predictor.engine.runners.native import bindings as native
 from predictor.toolchain import compiler, cpu_flags
 macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-"], input="",
                         capture_output=True, text=True).stdout

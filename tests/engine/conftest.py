@@ -14,7 +14,7 @@ from predictor.engine.detokenizer import IncrementalDetokenizer
 from predictor.engine.grammar import Grammars
 from predictor.engine.kv_cache import BlockAllocator
 from predictor.engine.request import Request
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.step import StepStats
 from predictor.engine.step_loop import StepLoop

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from predictor.engine.runners.invariance import row_invariant
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
+from predictor.engine.runners.kernels.invariance import row_invariant
 from predictor.model.loader import LoadedModel, load_checkpoint
 from predictor.types import FinishReason, SamplingParams
 from tests.engine.conftest import Collected, drive, make_sequence, new_loop, preemptions

@@ -248,7 +248,7 @@ def test_hits_on_the_native_path_give_the_cold_tokens(tiny_gptq: Any) -> None:
     """The bf16 GPTQ model with the native attention kernel, layer ops and the native 4-bit
     matmul (what a CPU server runs): shared-prefix prompts with caching on give the tokens of the
     same prompts with caching off."""
-    from predictor.engine.runners.model import ModelRunner
+    from predictor.engine.runners.cpu import ModelRunner
 
     tokenizer = tiny_gptq.tokenizer
     rng = random.Random(9)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.types import FinishReason, PromptEcho, SamplingParams
 from tests.engine.conftest import Tiny, drive, make_sequence, new_loop, preemptions
 from tests.support import tune_cache

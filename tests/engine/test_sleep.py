@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from predictor.engine.kv_cache import BlockAllocator
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.runners.null import NullRunner
 from predictor.engine.scheduler import Scheduler
 from predictor.engine.sleep import ASKED, IDLE, Sleep

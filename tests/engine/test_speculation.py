@@ -14,7 +14,7 @@ import torch
 from predictor.engine.drafting import Speculation
 from predictor.engine.grammar import Grammars
 from predictor.engine.request import Request
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.speculation import (
     ContextIndex,
     Policy,

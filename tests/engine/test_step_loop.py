@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.types import FinishReason, SamplingParams
 from tests.engine.conftest import Collected, Tiny, drive, make_sequence, new_loop

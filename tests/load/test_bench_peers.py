@@ -78,8 +78,8 @@ def test_section_states_date_cpu_threads_prefill_memory_and_choices() -> None:
 
 def test_kernel_choices_are_read_from_a_server_log() -> None:
     log = (
-        "2026 INFO predictor.engine.runners.autotune: kernels for CPU X, 1 threads, torch 2; flags: avx2\n"
-        "noise\n2026 INFO predictor.engine.runners.autotune: kernel (measured) o 8x8/32 x1: 1+ rows a\n"
+        "2026 INFO predictor.engine.runners.kernels.autotune: kernels for CPU X, 1 threads, torch 2; flags: avx2\n"
+        "noise\n2026 INFO predictor.engine.runners.kernels.autotune: kernel (measured) o 8x8/32 x1: 1+ rows a\n"
     )
     assert kernel_choices(log) == [
         "kernels for CPU X, 1 threads, torch 2; flags: avx2",

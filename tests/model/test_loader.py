@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from predictor.config import KERNELS, LOADER_KERNELS, Settings
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.errors import CheckpointError
 from predictor.model.loader import LoadedModel, check_checkpoint, load_checkpoint

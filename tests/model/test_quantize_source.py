@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
 from predictor.model.loader import load_checkpoint
 from predictor.model.quantize import QUALITY_FILE
 from predictor.model.recipe import source_texts

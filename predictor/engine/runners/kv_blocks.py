@@ -1,7 +1,7 @@
 """Whole KV-cache blocks copied out of and into the runner's pools, as bytes (the disk cache,
 engine/kv_offload.py).
 
-A pool per layer holds [2 * kv_heads, slots + 1, head_dim] (keys then values, model.py); a
+A pool per layer holds [2 * kv_heads, slots + 1, head_dim] (keys then values, cpu.py); a
 block's payload is [layers, 2 * kv_heads, block_size, head_dim] in the pool's dtype (bf16 as a
 served model holds it), C order. Copies go one strided copy per layer and run of adjacent
 blocks, straight between the pools and the bytes (250 adjacent blocks of SmolLM2-135M: 30
@@ -24,9 +24,9 @@ def code_digest(sources: Path = _SOURCES) -> str:
     folder's: the runner, its kernels) and torch's version. Conservative: any change there
     makes new files."""
     digest = hashlib.sha256(torch.__version__.encode())
-    for path in sorted(sources.glob("*")):
+    for path in sorted(sources.rglob("*")):
         if path.suffix in (".py", ".c", ".h"):
-            digest.update(path.name.encode() + b"\0" + path.read_bytes())
+            digest.update(str(path.relative_to(sources)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:24]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from predictor.engine.runners.native import ATTENTION_QUERIES
+from predictor.engine.runners.native.bindings import ATTENTION_QUERIES
 from predictor.engine.step import StepRow
 
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from load.random_gptq import SHAPES, Layout, write_checkpoint
-from predictor.engine.runners.int4_linear import prepack_available
-from predictor.engine.runners.model import ModelRunner
+from predictor.engine.runners.cpu import ModelRunner
+from predictor.engine.runners.kernels.int4_linear import prepack_available
 from predictor.model.loader import load_checkpoint
-from tests.engine.runners.test_model import step_logits
+from tests.engine.runners.test_cpu import step_logits
 from tests.support import ServerProcess, built_once, tune_cache
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")

@@ -79,7 +79,7 @@ def test_item_gptqmodel_aten(tiny_gptq_dir: Path) -> None:
     """The runner's two views of a TorchAtenLinear: GPTQ's tensors as loaded, and once the
     module has packed itself for the CPU its int4pack weights and scales-and-zeros; both
     compute what the module's own forward does, through INT4PACK_MM."""
-    from predictor.engine.runners.int4_codes import gptq_codes
+    from predictor.engine.runners.kernels.int4_codes import gptq_codes
 
     fresh = load_checkpoint(tiny_gptq_dir, device="cpu")  # no forward has packed it yet
     q_proj = fresh.model.model.layers[0].self_attn.q_proj

@@ -50,13 +50,18 @@ def test_written_blocks_read_back_the_same_and_nothing_else_changes() -> None:
 
 def test_the_code_digest_changes_with_a_source(tmp_path: Path) -> None:
     here = Path(kv_blocks.__file__).parent
-    for path in here.glob("*.[ch]"):
-        shutil.copy(path, tmp_path)
-    shutil.copy(here / "model.py", tmp_path)
+    (tmp_path / "native").mkdir()
+    for path in (here / "native").glob("*.[ch]"):
+        shutil.copy(path, tmp_path / "native")
+    shutil.copy(here / "cpu.py", tmp_path)
     digest = kv_blocks.code_digest(tmp_path)
     assert digest == kv_blocks.code_digest(tmp_path) and len(digest) == 24
     (tmp_path / "notes.txt").write_text("not a source")
     assert kv_blocks.code_digest(tmp_path) == digest
-    with open(tmp_path / "model.py", "a") as file:
+    with open(tmp_path / "cpu.py", "a") as file:
         file.write("# one more line\n")
-    assert kv_blocks.code_digest(tmp_path) != digest
+    changed = kv_blocks.code_digest(tmp_path)
+    assert changed != digest
+    with open(tmp_path / "native" / "layer_ops.c", "a") as file:  # a room's source counts too
+        file.write("/* one more line */\n")
+    assert kv_blocks.code_digest(tmp_path) != changed

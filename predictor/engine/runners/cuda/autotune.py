@@ -1,6 +1,6 @@
 """Which kernel serves each GPU projection, per row-count bucket, measured on this GPU at start.
 
-As on the CPU (runners/autotune.py), nothing is a constant: for each projection shape and the
+As on the CPU (kernels/autotune.py), nothing is a constant: for each projection shape and the
 first row count of each bucket, every candidate (cuda/linear.py) first computes the shape's first
 layer on random activations and is dropped, with a warning, if it disagrees with the dense
 reference (a kernel whose layout or arithmetic moved in another torch); then one pass over

@@ -1,6 +1,6 @@
 """Forward passes on a CUDA GPU over a paged KV cache: the GPU's runner.
 
-The same step as the CPU runner's (runners/model.py): every row's new tokens as one flat batch,
+The same step as the CPU runner's (runners/cpu.py): every row's new tokens as one flat batch,
 decode rows first, each layer's projections once for all rows, attention per row over its own
 blocks. Its parts are the GPU's own:
 - projections: cuda/linear.py, the kernel per row-count bucket chosen by cuda/autotune.py;

@@ -1,0 +1,534 @@
+"""Forward passes over a paged KV cache: every row's new tokens in one flat batch.
+
+One step feeds each decode row its last token and each prefilling row the next chunk of its
+prompt, all as one flat sequence of N tokens, so the linear layers (the GPTQ kernels) run once
+per layer over all N. Only attention is per row: each row's keys and values live in the blocks
+of its block table in one preallocated pool per layer, new ones are written in place (O(new
+tokens) per step), and attention reads a row's own positions only.
+
+The model's own modules do the rest (embeddings, norms, rotary tables, MLP, lm_head), so any
+Linear replacement works; attention and the cache are ours. Llama-family decoders and their
+kin (families.MODEL_TYPES): what differs between them is read once by family.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from predictor.config import ATTENTION, FUSED_KERNELS
+from predictor.engine.runners import kv_blocks, memory, torch_attention
+from predictor.engine.runners.family import family
+from predictor.engine.runners.kernels import autotune
+from predictor.engine.runners.kernels.dense_linear import prepack_layer
+from predictor.engine.runners.kernels.int4_codes import release_repack_tables
+from predictor.engine.runners.kernels.int4_linear import FusedLayer, Kernel, fuse_layer, projections
+from predictor.engine.runners.kernels.layout_store import LayoutStore
+from predictor.engine.runners.kernels.step_cost import step_cost
+from predictor.engine.runners.lora import tune as lora_tune
+from predictor.engine.runners.lora.weights import Factors, LoraWeights, projection_shapes
+from predictor.engine.runners.lora.weights import Step as LoraStep
+from predictor.engine.runners.native.bindings import (
+    MATMULS,
+    DecodeAttention,
+    decode_attention,
+    library_cache,
+    usable_isas,
+)
+from predictor.engine.runners.native.layer_kernels import LayerKernels, layer_kernels
+from predictor.engine.runners.plan import StepPlan
+from predictor.engine.step import StepRow
+from predictor.errors import NativeUnavailable
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int = 16,
+        threads: int = 0,
+        attention: str = "auto",
+        kernel: str = "auto",
+        autotune_cache: Path | None = None,
+        release_model_weights: bool = False,
+        batch_invariant: bool = True,
+        copies_after_ready: bool = False,
+        lora: bool = False,
+    ) -> None:
+        """`attention`: how decode rows attend. "native": the C kernel of bindings.py,
+        reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
+        "auto": native where it applies and compiles, else torch.
+
+        `kernel`: how the fused int4 projections run: "auto" (autotune.py measures the
+        candidates per row-count bucket, at the first step or in `bind_thread`, and caches its
+        choices in `autotune_cache` when given) or one of config.FUSED_KERNELS for every step.
+
+        `release_model_weights`: once tuned, empty the model's own 4-bit modules where every
+        layer is fused (the runner reads only its own layouts; about 75 MB for SmolLM2-135M):
+        the model's forward no longer works then. For a server, whose model only the runner
+        runs.
+
+        `batch_invariant` (the default; off only for load/bench_invariance.py's baseline): a
+        row's tokens do not depend on its batch, drafts, cache hits or preemption: one
+        row-invariant kernel a matmul (autotune.py checks which, here), and every token attends
+        by the decode kernel's arithmetic (plan.py, `queries_as_decode`).
+
+        `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
+        thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
+        is ready seconds sooner, its many-row steps slower until they are built.
+
+        `lora`: adapters will be served (--lora-modules, --allow-runtime-lora): the autotune
+        also times LoRA's kernel modes (lora/tune.py)."""
+        self.model = model
+        self.device = device
+        self.threads = threads
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        decoder = model.model
+        self._embed = decoder.embed_tokens
+        self._layers = list(decoder.layers)
+        traits = family(model, self._layers)  # UnsupportedModel for another type
+        self._norm = decoder.norm
+        self._rotary = decoder.rotary_emb
+        self._lm_head = model.lm_head
+        config = model.config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        self.scale = float(self._layers[0].self_attn.scaling)
+        # LoRA adapters, by slot (`add_adapter`), and this step's tokens grouped by slot
+        shapes = projection_shapes(self._layers[0])
+        self.lora = LoraWeights(shapes, len(self._layers), device)
+        self._tune_lora = lora
+        self._lora_step: LoraStep | None = None
+        # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
+        fused = [fuse_layer(layer) for layer in self._layers]
+        self._fused = [f if isinstance(f, FusedLayer) else None for f in fused]
+        reasons = sorted({f for f in fused if isinstance(f, str)})
+        # the layers it could not fuse: plain bf16 projections (dequantized) prepacked for oneDNN
+        prepacked = sum(
+            prepack_layer(layer) for layer, f in zip(self._layers, self._fused, strict=True)
+            if f is None
+        )  # fmt: skip
+        if prepacked:
+            logger.info("%d dense bf16 projections prepacked for oneDNN", prepacked)
+        if reasons:  # logged once, with why: the model's own modules are the slower path
+            logger.log(
+                logging.INFO if prepacked else logging.WARNING,
+                "%d of %d layers not fused into the native int4 kernels (%s): %s",
+                len([f for f in self._fused if f is None]), len(self._fused), "; ".join(reasons),
+                "their dense projections serve them" if prepacked else "the model's own modules "
+                "serve them, more slowly",
+            )  # fmt: skip
+        # what differs between the families (family.py)
+        self._norms, self._final_norm = traits.norms, traits.final_norm
+        self._attention_cap, self._logit_cap = traits.attention_cap, traits.logit_cap
+        self._rope_kinds, self._windows = traits.rope_kinds, traits.windows
+        self._qk_norms = traits.qk_norms
+        if kernel != "auto" and kernel not in FUSED_KERNELS:
+            raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
+        if kernel != "auto":
+            first = next((f for f in self._fused if f is not None), None)
+            if first is None:
+                raise ValueError(f"kernel {kernel} needs fused int4 layers (a CPU GPTQ model)")
+            try:  # here, not on the step thread: a kernel that cannot run here is refused now
+                first.qkv.kernel(kernel)
+            except NativeUnavailable as error:
+                raise ValueError(f"kernel {kernel} is unavailable: {error}") from error
+        self.kernel = kernel
+        self.batch_invariant = batch_invariant
+        self._autotune_cache = autotune_cache
+        self._release_model_weights = release_model_weights
+        self._copies_after_ready = copies_after_ready
+        self._completing: threading.Thread | None = None
+        self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
+        self.choices: autotune.Choices | None = None
+        # seconds of a step's matmuls by (fed tokens, logit rows), from the autotune's figures
+        self._step_cost: Callable[[int, int], float] | None = None
+        dtype = self._embed.weight.dtype
+        slots = num_blocks * block_size
+        # per layer: keys then values of every token slot, plus one zero slot that padding
+        # reads (masked keys must still be finite: 0 * NaN is NaN), [2 * kv_heads, slots + 1,
+        # head_dim]: one write and one gather a layer serve both, and a gathered row's keys
+        # come out [kv_heads, tokens, head_dim], the layout attention multiplies without a copy;
+        # empty, so pages are touched (and count in RSS) only as the cache fills
+        self._pools = [
+            torch.empty((2 * self.kv_heads, slots + 1, self.head_dim), dtype=dtype, device=device)
+            for _ in self._layers
+        ]
+        for pool in self._pools:
+            pool[:, slots].zero_()
+        self._pad_slot = slots
+        self._native = self._native_attention(attention, dtype)
+        if batch_invariant and self._native is None:
+            logger.warning(
+                "determinism: the kernels are row-invariant, but attention is torch's (native "
+                "attention needs a bf16 model on the CPU, no soft-capping or sliding windows, and "
+                "a C compiler): prompt chunks and decode rows attend by different code, so "
+                "prefix-cache hits, chunking and preemption may change a request's tokens"
+            )
+        # with native attention, the layers' norms, rotary + cache write and SwiGLU too
+        self._ops: LayerKernels | None = None
+        if self._native is not None:
+            self._ops = layer_kernels(model, self.head_dim, self._library_cache())
+            self.lora.kernel = self._ops
+
+    def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
+        if attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
+        if attention == "triton":
+            raise ValueError("triton attention is the GPU runner's (--device cuda)")
+        if attention == "torch":
+            return None
+        if self.device.type != "cpu" or dtype != torch.bfloat16:
+            if attention == "native":
+                raise ValueError("native attention needs a bf16 model on the CPU")
+            return None
+        if self._attention_cap is not None or any(self._windows):
+            if attention == "native":
+                raise ValueError(
+                    "native attention has no soft-capping of scores (Gemma 2) nor sliding "
+                    "window masks (Gemma 3)"
+                )
+            return None
+        try:
+            return decode_attention(
+                self.head_dim, self.heads // self.kv_heads, self.block_size, self._library_cache()
+            )
+        except NativeUnavailable as error:
+            if attention == "native":
+                raise
+            logger.warning("native decode attention unavailable, using torch's: %s", error)
+            return None
+
+    def _library_cache(self) -> Path | None:
+        """Where the native libraries are kept between starts: beside the autotune's choices."""
+        return None if self._autotune_cache is None else library_cache(self._autotune_cache)
+
+    def bind_thread(self) -> None:
+        """Called first on the thread that will run the forward passes.
+
+        torch's CPU thread count is per calling thread. Measured here: once the main thread has
+        run parallel torch work, another thread's 2-thread matmuls run no faster than 1 thread;
+        so the server loads with 1 thread on the main thread and parallelises only here.
+        """
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
+        self._tune()
+
+    def _tune(self) -> None:
+        """Measure (or read back) which kernel serves each matmul, once, on the calling thread
+        with its thread count."""
+        if self._head is not None:
+            return
+        fused = [(f, kind) for f in self._fused if f is not None for kind in FusedLayer.KINDS]
+        linears = [getattr(f, kind) for f, kind in fused]
+        threads = torch.get_num_threads()
+        isas, cache = usable_isas(), self._library_cache()
+        if isas and cache is not None:
+            # built into the cache folder, or loaded from it (the head's int8 kernel too: it
+            # was compiled afresh at every start, about a second before the server was ready)
+            for name, build in MATMULS.items():
+                if name == "int4" and not linears:
+                    continue  # no int4 projections to serve
+                try:
+                    library = build(isas[0], cache)
+                except NativeUnavailable as error:
+                    logger.warning("native %s matmul unavailable: %s", name, error)
+                else:  # logged here: the build may have run before logging was set up
+                    logger.info("native %s matmul ready (%s)", name, library.describe())
+        started = time.perf_counter()
+        layouts = None if self._autotune_cache is None else LayoutStore(self._autotune_cache)
+        for linear in linears:
+            linear.layouts = layouts
+        self.choices, self._head, deferred = autotune.tune(
+            linears, [kind for _, kind in fused], self._lm_head, threads, self._autotune_cache,
+            self.kernel, self.batch_invariant, self._copies_after_ready, layouts,
+        )  # fmt: skip
+        if layouts is not None:
+            read, written = layouts.read_bytes / 1e9, layouts.written_bytes / 1e9
+            logger.info("kernel layouts: %.2f GB mapped from %s, %.2f GB written", read,
+                        layouts.folder, written)  # fmt: skip
+        autotune.log_choices(self.choices, threads)
+        if self._tune_lora and self.lora.kernel is not None:
+            lora_tune.tune(self.lora, self.batch_invariant, threads, self._autotune_cache)
+        kinds = [kind for _, kind in fused]
+        self._step_cost = step_cost(self.choices, linears, kinds, self._lm_head)
+        later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
+        logger.info("kernels: %.1f s (choices: %s)%s", time.perf_counter() - started,
+                    self.choices.source.split(" ")[0], later)  # fmt: skip
+        if not deferred:
+            self._release()
+            return
+        self._completing = threading.Thread(
+            target=self._complete, args=(deferred,), name="kernel-copies", daemon=True
+        )
+        self._completing.start()
+
+    def _complete(self, deferred: list[autotune.Deferred]) -> None:
+        """What the autotune deferred, on a thread of its own while the step thread serves:
+        one thread (the step thread keeps the others), the layers switched one by one."""
+        started = time.perf_counter()
+        torch.set_num_threads(1)
+        try:
+            head = autotune.complete(deferred)
+        except Exception:  # e.g. out of memory: the layers keep serving on their lean plans
+            logger.exception("kernels: the deferred copies could not be built; serving without")
+            return
+        if head is not None:
+            self._head = head  # the step thread reads it at its next step
+        logger.info("kernels: %d matmuls' copies built in %.1f s: every plan complete",
+                    len(deferred), time.perf_counter() - started)  # fmt: skip
+        self._release()
+
+    def _release(self) -> None:
+        """Let go of what serving no longer reads: the tables and scratch the kernels were built
+        with, the model's own 4-bit tensors, the mapped checkpoint's pages."""
+        release_repack_tables()
+        if self._release_model_weights and all(f is not None for f in self._fused):
+            for layer in self._layers:
+                qkv, o, gate_up, down = projections(layer)
+                for module in (*qkv, o, *gate_up, down):
+                    memory.empty_tensors(module)
+        advised = memory.release_mapped_weights()
+        memory.trim_heap()
+        logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
+
+    # -- the disk cache's copies (engine/kv_offload.py's BlockCopies) -------------------------
+    def kv_layout(self) -> dict[str, Any]:
+        pool = self._pools[0]
+        return {"dtype": str(pool.dtype), "layers": len(self._pools), "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "block_size": self.block_size,
+                "code": kv_blocks.code_digest()}  # fmt: skip
+
+    def kv_block_bytes(self) -> int:
+        return kv_blocks.block_bytes(self._pools, self.block_size)
+
+    @torch.inference_mode()
+    def read_blocks(self, blocks: Sequence[int]) -> memoryview:
+        return kv_blocks.read_blocks(self._pools, blocks, self.block_size)
+
+    @torch.inference_mode()
+    def write_blocks(self, blocks: Sequence[int], data: memoryview) -> None:
+        kv_blocks.write_blocks(self._pools, blocks, self.block_size, data)
+
+    def free(self) -> None:
+        """Before a sleep drops this runner (engine/sleep.py): every tensor of the model emptied
+        and the KV pools let go, so their memory returns even where something else keeps the
+        model object alive (gptqmodel's first import keeps an ImportError's traceback, whose
+        frames hold the first model transformers loaded). Nothing runs on this runner after."""
+        if self._completing is not None:  # the deferred copies read the weights: done first
+            self._completing.join()
+        for module in self.model.modules():
+            memory.empty_tensors(module)
+        self._pools = []
+
+    @torch.inference_mode()
+    def step_cost(self, fed: int, logit_rows: int) -> float | None:
+        """What the autotune measured a step of `fed` tokens (`logit_rows` rows of logits)
+        costs on this machine, in seconds (None: not measured, e.g. a forced kernel)."""
+        if self._step_cost is None:
+            return None
+        return self._step_cost(fed, logit_rows)
+
+    def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """Run one step; logits [sum of the rows' logit_count, V] (float32), in row order.
+
+        Every op here runs once per layer for the whole step (30 layers x 16 rows: a few
+        microseconds of dispatch per op add up to milliseconds), so a layer is written as few
+        tensor ops as it can be: one rotary pass over q, k and v together, one cache write, and
+        decode attention as one native call (or one gather and a few batched matmuls)."""
+        self._tune()
+        plan = StepPlan.build(
+            rows,
+            self.block_size,
+            self._pad_slot,
+            self.device,
+            self._native is not None,
+            self.heads // self.kv_heads,
+            queries_as_decode=self.batch_invariant,
+        )
+        ids = torch.tensor(plan.ids, dtype=torch.long, device=self.device)
+        self._lora_step = None
+        if any(row.adapter for row in rows):  # adapters' rows: their tokens by slot
+            self._lora_step = self.lora.step([row.adapter for row in rows for _ in row.tokens])
+        hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
+        if self._ops is not None:
+            return self._forward_native(hidden, plan, self._ops)
+        ropes = {kind: self._rope(hidden, plan.positions, kind) for kind in set(self._rope_kinds)}
+        for index, layer in enumerate(self._layers):
+            before_attention, after_attention, before_mlp, after_mlp = self._norms[index]
+            rope = ropes[self._rope_kinds[index]]
+            out = self._attention(index, layer.self_attn, before_attention(hidden), rope, plan)
+            hidden = hidden + after_attention(out)
+            hidden = hidden + after_mlp(self._mlp(index, layer.mlp, before_mlp(hidden)))
+        if len(plan.logit_rows) != hidden.shape[0]:
+            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+            hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        assert self._head is not None
+        return self._logits(self._head(self._final_norm(hidden)))  # [R, V]
+
+    def _logits(self, head_out: torch.Tensor) -> torch.Tensor:
+        """The head's output as float32 logits, soft-capped where the model caps them."""
+        logits = head_out.float()
+        if self._logit_cap is not None:
+            cap = float(self._logit_cap)
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
+
+    def _forward_native(
+        self, hidden: torch.Tensor, plan: StepPlan, ops: LayerKernels
+    ) -> torch.Tensor:
+        """`forward` with the native layer ops: each residual add fused into the next norm
+        (hidden is updated in place), the rotary pass and the cache write in one call."""
+        at = torch.tensor(plan.positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        rope = (cos[0].to(hidden.dtype).contiguous(), sin[0].to(hidden.dtype).contiguous())
+        normed = ops.add_rms_norm(hidden, None, 0)
+        for index, layer in enumerate(self._layers):
+            out = self._attention(index, layer.self_attn, normed, rope, plan)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 1)
+            out = self._mlp(index, layer.mlp, normed)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 2)  # the last: the final norm
+        if len(plan.logit_rows) != normed.shape[0]:
+            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+            normed = normed.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
+        assert self._head is not None
+        return self._logits(self._head(normed))  # [R, V]
+
+    def _rope(
+        self, hidden: torch.Tensor, positions: list[int], kind: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin tables [N, heads + 2 kv_heads, head_dim] that rotate q and k and leave v
+        as it is (cos 1, sin 0), sin's first half negated, for `_attention`'s single pass
+        (`kind`: the layer type whose table, where the model has one per type)."""
+        at = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
+        if kind is None:
+            cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
+        else:
+            cos, sin = self._rotary(hidden.unsqueeze(0), at, kind)
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
+        half, rotated = self.head_dim // 2, self.heads + self.kv_heads
+        shape = (hidden.shape[0], rotated + self.kv_heads, self.head_dim)
+        cos_all = torch.ones(shape, dtype=cos.dtype, device=self.device)
+        sin_all = torch.zeros(shape, dtype=sin.dtype, device=self.device)
+        cos_all[:, :rotated] = cos
+        sin_all[:, :rotated, :half] = -sin[..., :half]
+        sin_all[:, :rotated, half:] = sin[..., half:]
+        return cos_all, sin_all
+
+    def _attention(
+        self,
+        index: int,
+        attn: Any,
+        hidden: torch.Tensor,  # [N, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],
+        plan: StepPlan,
+    ) -> torch.Tensor:
+        n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
+        fused = self._fused[index]
+        if fused is not None:
+            qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
+        else:
+            qkv = torch.cat([linear(hidden) for linear in projections(self._layers[index])[0]], -1)
+        if self._lora_step is not None:
+            qkv = self.lora.apply(index, "qkv", hidden, qkv, self._lora_step)
+        if self._qk_norms is not None:
+            qkv = self._norm_heads(index, qkv, n)
+        pool = self._pools[index]
+        cos, sin = rope
+        if self._ops is not None:  # rope [N, dim] each; rotated and written in one call
+            qkv = qkv.contiguous().view(n, heads + 2 * kv_heads, dim)
+            self._ops.rope_write(qkv, heads, kv_heads, cos, sin, pool, plan.write_slots)
+        else:
+            # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
+            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
+            qkv = qkv.view(n, heads + 2 * kv_heads, dim)
+            swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
+            qkv = qkv * cos + swapped * sin
+            pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
+        out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
+        if plan.decode_rows and self._native is not None:
+            tables, lengths, counts, scratch = plan.native_args
+            self._native(
+                qkv, pool, tables, lengths, counts, len(lengths), self.scale, out, scratch,
+                torch.get_num_threads(),  # --threads, on the step thread
+            )  # fmt: skip
+        elif plan.decode_rows:
+            out[: plan.decode_rows] = torch_attention.decode(
+                qkv, pool, plan, heads, self.scale, self._attention_cap, self._windows[index]
+            )
+        for first, count, slots, mask in plan.prefills:
+            query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
+            kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
+            attended = torch_attention.prefill(
+                query, kv[:, :kv_heads], kv[:, kv_heads:], mask, self.scale,
+                self._attention_cap, self._windows[index],
+            )  # fmt: skip
+            out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
+        projected = fused.o.forward(out) if fused is not None else attn.o_proj(out)
+        if self._lora_step is not None:
+            projected = self.lora.apply(index, "o", out, projected, self._lora_step)
+        return projected
+
+    def add_adapter(self, slot: int, factors: Factors, scale: float) -> None:
+        """Make a LoRA adapter resident as `slot` (rows with that `adapter` use it)."""
+        self.lora.add(slot, factors, scale)
+
+    def adding_adapter(
+        self, slot: int, factors: Factors, scale: float
+    ) -> Generator[None, None, None]:
+        """`add_adapter` a slice at a time (StepLoop.run_chore runs it between steps)."""
+        return self.lora.adding(slot, factors, scale)
+
+    def _norm_heads(self, index: int, qkv: torch.Tensor, n: int) -> torch.Tensor:
+        """Qwen3's q_norm and k_norm on each head of q and k, in place ([N, q + 2 kv])."""
+        assert self._qk_norms is not None
+        q_norm, k_norm = self._qk_norms[index]
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qkv = qkv.contiguous()
+        view = qkv.view(n, heads + 2 * kv_heads, dim)
+        view[:, :heads] = q_norm(view[:, :heads])
+        view[:, heads : heads + kv_heads] = k_norm(view[:, heads : heads + kv_heads])
+        return qkv
+
+    def _mlp(self, index: int, mlp: Any, hidden: torch.Tensor) -> torch.Tensor:
+        fused = self._fused[index]
+        if self._lora_step is not None:
+            return self._mlp_lora(index, mlp, hidden, self._lora_step)
+        if fused is None:
+            return mlp(hidden)
+        if self._ops is not None:
+            return fused.down.forward(self._ops.silu_mul(fused.gate_up.forward(hidden)))
+        gate, up = fused.gate_up(hidden).chunk(2, -1)  # Phi-3's one gate_up_proj: gate first
+        return fused.down(mlp.act_fn(gate) * up)
+
+    def _mlp_lora(self, index: int, mlp: Any, hidden: torch.Tensor, step: LoraStep) -> torch.Tensor:
+        """The MLP with the adapters' deltas on gate/up and on down."""
+        fused = self._fused[index]
+        if fused is not None:
+            gate_up = fused.gate_up.forward(hidden)
+        else:
+            gate_up = torch.cat(
+                [linear(hidden) for linear in projections(self._layers[index])[2]], -1
+            )
+        gate_up = self.lora.apply(index, "gate_up", hidden, gate_up, step)
+        if self._ops is not None and fused is not None:
+            inner = self._ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, -1)
+            inner = mlp.act_fn(gate) * up
+        down = fused.down.forward(inner) if fused is not None else mlp.down_proj(inner)
+        return self.lora.apply(index, "down", inner, down, step)
