@@ -23,14 +23,15 @@ from typing import Any
 import torch
 
 from predictor.config import ATTENTION, FUSED_KERNELS
-from predictor.engine.runners import kv_blocks, memory, torch_attention
-from predictor.engine.runners.family import family
+from predictor.engine.runners import memory, torch_attention
+from predictor.engine.runners.family import family, head_sizes
 from predictor.engine.runners.kernels import autotune
 from predictor.engine.runners.kernels.dense_linear import prepack_layer
 from predictor.engine.runners.kernels.int4_codes import release_repack_tables
 from predictor.engine.runners.kernels.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.kernels.layout_store import LayoutStore
 from predictor.engine.runners.kernels.step_cost import step_cost
+from predictor.engine.runners.kv_pools import KVPools
 from predictor.engine.runners.lora import tune as lora_tune
 from predictor.engine.runners.lora.weights import Factors, LoraWeights, projection_shapes
 from predictor.engine.runners.lora.weights import Step as LoraStep
@@ -101,13 +102,9 @@ class ModelRunner:
         self._norm = decoder.norm
         self._rotary = decoder.rotary_emb
         self._lm_head = model.lm_head
-        config = model.config
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        self.scale = float(self._layers[0].self_attn.scaling)
+        sizes = head_sizes(model)
+        self.heads, self.kv_heads, self.head_dim = sizes.heads, sizes.kv_heads, sizes.head_dim
+        self.scale = sizes.scale
         # LoRA adapters, by slot (`add_adapter`), and this step's tokens grouped by slot
         shapes = projection_shapes(self._layers[0])
         self.lora = LoraWeights(shapes, len(self._layers), device)
@@ -158,19 +155,9 @@ class ModelRunner:
         # seconds of a step's matmuls by (fed tokens, logit rows), from the autotune's figures
         self._step_cost: Callable[[int, int], float] | None = None
         dtype = self._embed.weight.dtype
-        slots = num_blocks * block_size
-        # per layer: keys then values of every token slot, plus one zero slot that padding
-        # reads (masked keys must still be finite: 0 * NaN is NaN), [2 * kv_heads, slots + 1,
-        # head_dim]: one write and one gather a layer serve both, and a gathered row's keys
-        # come out [kv_heads, tokens, head_dim], the layout attention multiplies without a copy;
-        # empty, so pages are touched (and count in RSS) only as the cache fills
-        self._pools = [
-            torch.empty((2 * self.kv_heads, slots + 1, self.head_dim), dtype=dtype, device=device)
-            for _ in self._layers
-        ]
-        for pool in self._pools:
-            pool[:, slots].zero_()
-        self._pad_slot = slots
+        self._pools = KVPools(
+            len(self._layers), self.kv_heads, self.head_dim, num_blocks, block_size, dtype, device
+        )
         self._native = self._native_attention(attention, dtype)
         if batch_invariant and self._native is None:
             logger.warning(
@@ -308,21 +295,18 @@ class ModelRunner:
 
     # -- the disk cache's copies (engine/kv_offload.py's BlockCopies) -------------------------
     def kv_layout(self) -> dict[str, Any]:
-        pool = self._pools[0]
-        return {"dtype": str(pool.dtype), "layers": len(self._pools), "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "block_size": self.block_size,
-                "code": kv_blocks.code_digest()}  # fmt: skip
+        return self._pools.layout()
 
     def kv_block_bytes(self) -> int:
-        return kv_blocks.block_bytes(self._pools, self.block_size)
+        return self._pools.block_bytes()
 
     @torch.inference_mode()
     def read_blocks(self, blocks: Sequence[int]) -> memoryview:
-        return kv_blocks.read_blocks(self._pools, blocks, self.block_size)
+        return self._pools.read(blocks)
 
     @torch.inference_mode()
     def write_blocks(self, blocks: Sequence[int], data: memoryview) -> None:
-        kv_blocks.write_blocks(self._pools, blocks, self.block_size, data)
+        self._pools.write(blocks, data)
 
     def free(self) -> None:
         """Before a sleep drops this runner (engine/sleep.py): every tensor of the model emptied
@@ -333,7 +317,7 @@ class ModelRunner:
             self._completing.join()
         for module in self.model.modules():
             memory.empty_tensors(module)
-        self._pools = []
+        self._pools.free()
 
     @torch.inference_mode()
     def step_cost(self, fed: int, logit_rows: int) -> float | None:
@@ -354,7 +338,7 @@ class ModelRunner:
         plan = StepPlan.build(
             rows,
             self.block_size,
-            self._pad_slot,
+            self._pools.pad_slot,
             self.device,
             self._native is not None,
             self.heads // self.kv_heads,

@@ -2,7 +2,8 @@
 from the model: the norms around each layer's attention and MLP (Llama's two, Gemma 2's four),
 the final norm, Gemma 2's soft caps, Gemma 3's rotary table per layer type and sliding windows,
 and Qwen3's per-head q/k norms. Qwen's biases and Phi-3's stored-fused projections are the
-Linear layers' (int4_linear.py)."""
+Linear layers' (kernels/int4_linear.py). And the attention's head sizes (`head_sizes`), which the
+CPU and GPU runners both read here."""
 
 from __future__ import annotations
 
@@ -15,6 +16,25 @@ import torch
 from predictor.families import WINDOW_MASKED, check_family
 
 Norm = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class HeadSizes:
+    """The attention's heads as the config gives them, the same in every layer."""
+
+    heads: int  # query heads
+    kv_heads: int  # key and value heads (GQA: fewer, each shared by heads // kv_heads)
+    head_dim: int
+    scale: float  # the scores' factor (transformers' `scaling`: 1 / sqrt(head_dim) mostly)
+
+
+def head_sizes(model: Any) -> HeadSizes:
+    """The head sizes of a transformers causal LM, read once for a runner."""
+    config = model.config
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    scale = float(model.model.layers[0].self_attn.scaling)
+    return HeadSizes(heads, int(config.num_key_value_heads), int(head_dim), scale)
 
 
 @dataclass(frozen=True)

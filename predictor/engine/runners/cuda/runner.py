@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from predictor.engine.runners.cuda import attention as paths
 from predictor.engine.runners.cuda import autotune, triton_ops
 from predictor.engine.runners.cuda.linear import CudaLinear, fuse
+from predictor.engine.runners.family import head_sizes
 from predictor.engine.runners.plan import flatten, slots_of
 from predictor.engine.step import StepRow
 from predictor.errors import UnsupportedModel
@@ -92,14 +93,11 @@ class CudaRunner:
         decoder, config = model.model, model.config
         self._layers = list(decoder.layers)
         self.dtype = decoder.embed_tokens.weight.dtype
-        self.heads = int(config.num_attention_heads)
-        self.kv_heads = int(config.num_key_value_heads)
-        self.head_dim = int(
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+        sizes = head_sizes(model)
+        self.heads, self.kv_heads, self.head_dim = sizes.heads, sizes.kv_heads, sizes.head_dim
         if self.head_dim & (self.head_dim - 1) or self.head_dim < 16:
             raise UnsupportedModel(f"head size {self.head_dim}: the GPU kernels take powers of 2")
-        self.scale = float(self._layers[0].self_attn.scaling)
+        self.scale = sizes.scale
         self._heads = paths.Heads(self.heads, self.kv_heads, self.head_dim, self.scale,
                                       block_size)  # fmt: skip
         self._embed = decoder.embed_tokens.weight

@@ -1,11 +1,14 @@
-"""Whole KV-cache blocks copied out of and into the runner's pools, as bytes (the disk cache,
-engine/kv_offload.py).
+"""The CPU runner's paged KV cache: one pool per layer, and whole blocks copied out of and into
+them as bytes (the disk cache, engine/kv_offload.py).
 
-A pool per layer holds [2 * kv_heads, slots + 1, head_dim] (keys then values, cpu.py); a
-block's payload is [layers, 2 * kv_heads, block_size, head_dim] in the pool's dtype (bf16 as a
-served model holds it), C order. Copies go one strided copy per layer and run of adjacent
-blocks, straight between the pools and the bytes (250 adjacent blocks of SmolLM2-135M: 30
-copies, not 7,500; an index_select gather, a stack and a permute took 3x as long).
+A pool per layer holds [2 * kv_heads, slots + 1, head_dim]: keys then values of every token slot,
+plus one zero slot that padding reads (masked keys must still be finite: 0 * NaN is NaN). One
+write and one gather a layer serve both, and a gathered row's keys come out [kv_heads, tokens,
+head_dim], the layout attention multiplies without a copy. A block's payload is [layers,
+2 * kv_heads, block_size, head_dim] in the pool's dtype (bf16 as a served model holds it), C
+order. Copies go one strided copy per layer and run of adjacent blocks, straight between the
+pools and the bytes (250 adjacent blocks of SmolLM2-135M: 30 copies, not 7,500; an index_select
+gather, a stack and a permute took 3x as long).
 """
 
 from __future__ import annotations
@@ -13,10 +16,59 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 _SOURCES = Path(__file__).parent
+
+
+class KVPools:
+    """The pools of every layer, allocated once for `num_blocks` blocks of `block_size` slots."""
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.kv_heads, self.head_dim, self.block_size = kv_heads, head_dim, block_size
+        slots = num_blocks * block_size
+        self.pad_slot = slots  # the zero slot padding reads
+        # empty, so pages are touched (and count in RSS) only as the cache fills
+        self.layers = [
+            torch.empty((2 * kv_heads, slots + 1, head_dim), dtype=dtype, device=device)
+            for _ in range(layers)
+        ]
+        for pool in self.layers:
+            pool[:, slots].zero_()
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.layers[layer]  # [2 * kv_heads, slots + 1, head_dim]
+
+    def layout(self) -> dict[str, Any]:
+        """What a block's payload depends on (the disk cache's identity)."""
+        pool = self.layers[0]
+        return {"dtype": str(pool.dtype), "layers": len(self.layers), "kv_heads": self.kv_heads,
+                "head_dim": self.head_dim, "block_size": self.block_size,
+                "code": code_digest()}  # fmt: skip
+
+    def block_bytes(self) -> int:
+        return block_bytes(self.layers, self.block_size)
+
+    def read(self, blocks: Sequence[int]) -> memoryview:
+        return read_blocks(self.layers, blocks, self.block_size)
+
+    def write(self, blocks: Sequence[int], data: memoryview) -> None:
+        write_blocks(self.layers, blocks, self.block_size, data)
+
+    def free(self) -> None:
+        """Let the pools go (a runner put to sleep)."""
+        self.layers = []
 
 
 def code_digest(sources: Path = _SOURCES) -> str:
