@@ -14,33 +14,25 @@ kin (families.MODEL_TYPES): what differs between them is read once by family.py.
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from predictor.config import ATTENTION, FUSED_KERNELS
+from predictor.config import ATTENTION
 from predictor.engine.runners import memory, torch_attention
 from predictor.engine.runners.family import family, head_sizes
 from predictor.engine.runners.kernels import autotune
-from predictor.engine.runners.kernels.dense_linear import prepack_layer
-from predictor.engine.runners.kernels.int4_codes import release_repack_tables
-from predictor.engine.runners.kernels.int4_linear import FusedLayer, Kernel, fuse_layer, projections
-from predictor.engine.runners.kernels.layout_store import LayoutStore
-from predictor.engine.runners.kernels.step_cost import step_cost
+from predictor.engine.runners.kernels.int4_linear import projections
+from predictor.engine.runners.kernels.matmuls import Matmuls
 from predictor.engine.runners.kv_pools import KVPools
 from predictor.engine.runners.lora import tune as lora_tune
 from predictor.engine.runners.lora.weights import Factors, LoraWeights, projection_shapes
 from predictor.engine.runners.lora.weights import Step as LoraStep
 from predictor.engine.runners.native.bindings import (
-    MATMULS,
     DecodeAttention,
     decode_attention,
-    library_cache,
-    usable_isas,
 )
 from predictor.engine.runners.native.layer_kernels import LayerKernels, layer_kernels
 from predictor.engine.runners.plan import StepPlan
@@ -110,50 +102,20 @@ class ModelRunner:
         self.lora = LoraWeights(shapes, len(self._layers), device)
         self._tune_lora = lora
         self._lora_step: LoraStep | None = None
-        # CPU int4 layers: q/k/v and gate/up fused, 4 kernel calls a layer instead of 7
-        fused = [fuse_layer(layer) for layer in self._layers]
-        self._fused = [f if isinstance(f, FusedLayer) else None for f in fused]
-        reasons = sorted({f for f in fused if isinstance(f, str)})
-        # the layers it could not fuse: plain bf16 projections (dequantized) prepacked for oneDNN
-        prepacked = sum(
-            prepack_layer(layer) for layer, f in zip(self._layers, self._fused, strict=True)
-            if f is None
+        # the matmuls' kernels: layers fused or prepacked now, kernels chosen in `bind_thread`
+        self.kernels = Matmuls(
+            self._layers, self._lm_head, kernel, batch_invariant, autotune_cache,
+            copies_after_ready, release_model_weights,
         )  # fmt: skip
-        if prepacked:
-            logger.info("%d dense bf16 projections prepacked for oneDNN", prepacked)
-        if reasons:  # logged once, with why: the model's own modules are the slower path
-            logger.log(
-                logging.INFO if prepacked else logging.WARNING,
-                "%d of %d layers not fused into the native int4 kernels (%s): %s",
-                len([f for f in self._fused if f is None]), len(self._fused), "; ".join(reasons),
-                "their dense projections serve them" if prepacked else "the model's own modules "
-                "serve them, more slowly",
-            )  # fmt: skip
+        self._fused = self.kernels.fused  # per layer: its fused int4 projections, or None
         # what differs between the families (family.py)
         self._norms, self._final_norm = traits.norms, traits.final_norm
         self._attention_cap, self._logit_cap = traits.attention_cap, traits.logit_cap
         self._rope_kinds, self._windows = traits.rope_kinds, traits.windows
         self._qk_norms = traits.qk_norms
-        if kernel != "auto" and kernel not in FUSED_KERNELS:
-            raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
-        if kernel != "auto":
-            first = next((f for f in self._fused if f is not None), None)
-            if first is None:
-                raise ValueError(f"kernel {kernel} needs fused int4 layers (a CPU GPTQ model)")
-            try:  # here, not on the step thread: a kernel that cannot run here is refused now
-                first.qkv.kernel(kernel)
-            except NativeUnavailable as error:
-                raise ValueError(f"kernel {kernel} is unavailable: {error}") from error
         self.kernel = kernel
         self.batch_invariant = batch_invariant
         self._autotune_cache = autotune_cache
-        self._release_model_weights = release_model_weights
-        self._copies_after_ready = copies_after_ready
-        self._completing: threading.Thread | None = None
-        self._head: Kernel | None = None  # chosen by the autotune (`_tune`)
-        self.choices: autotune.Choices | None = None
-        # seconds of a step's matmuls by (fed tokens, logit rows), from the autotune's figures
-        self._step_cost: Callable[[int, int], float] | None = None
         dtype = self._embed.weight.dtype
         self._pools = KVPools(
             len(self._layers), self.kv_heads, self.head_dim, num_blocks, block_size, dtype, device
@@ -169,7 +131,7 @@ class ModelRunner:
         # with native attention, the layers' norms, rotary + cache write and SwiGLU too
         self._ops: LayerKernels | None = None
         if self._native is not None:
-            self._ops = layer_kernels(model, self.head_dim, self._library_cache())
+            self._ops = layer_kernels(model, self.head_dim, self.kernels.library_cache())
             self.lora.kernel = self._ops
 
     def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
@@ -192,17 +154,16 @@ class ModelRunner:
             return None
         try:
             return decode_attention(
-                self.head_dim, self.heads // self.kv_heads, self.block_size, self._library_cache()
+                self.head_dim,
+                self.heads // self.kv_heads,
+                self.block_size,
+                self.kernels.library_cache(),
             )
         except NativeUnavailable as error:
             if attention == "native":
                 raise
             logger.warning("native decode attention unavailable, using torch's: %s", error)
             return None
-
-    def _library_cache(self) -> Path | None:
-        """Where the native libraries are kept between starts: beside the autotune's choices."""
-        return None if self._autotune_cache is None else library_cache(self._autotune_cache)
 
     def bind_thread(self) -> None:
         """Called first on the thread that will run the forward passes.
@@ -213,85 +174,19 @@ class ModelRunner:
         """
         if self.threads > 0:
             torch.set_num_threads(self.threads)
-        self._tune()
+        self.kernels.choose(self._tune_lora_modes)
 
-    def _tune(self) -> None:
-        """Measure (or read back) which kernel serves each matmul, once, on the calling thread
-        with its thread count."""
-        if self._head is not None:
-            return
-        fused = [(f, kind) for f in self._fused if f is not None for kind in FusedLayer.KINDS]
-        linears = [getattr(f, kind) for f, kind in fused]
-        threads = torch.get_num_threads()
-        isas, cache = usable_isas(), self._library_cache()
-        if isas and cache is not None:
-            # built into the cache folder, or loaded from it (the head's int8 kernel too: it
-            # was compiled afresh at every start, about a second before the server was ready)
-            for name, build in MATMULS.items():
-                if name == "int4" and not linears:
-                    continue  # no int4 projections to serve
-                try:
-                    library = build(isas[0], cache)
-                except NativeUnavailable as error:
-                    logger.warning("native %s matmul unavailable: %s", name, error)
-                else:  # logged here: the build may have run before logging was set up
-                    logger.info("native %s matmul ready (%s)", name, library.describe())
-        started = time.perf_counter()
-        layouts = None if self._autotune_cache is None else LayoutStore(self._autotune_cache)
-        for linear in linears:
-            linear.layouts = layouts
-        self.choices, self._head, deferred = autotune.tune(
-            linears, [kind for _, kind in fused], self._lm_head, threads, self._autotune_cache,
-            self.kernel, self.batch_invariant, self._copies_after_ready, layouts,
-        )  # fmt: skip
-        if layouts is not None:
-            read, written = layouts.read_bytes / 1e9, layouts.written_bytes / 1e9
-            logger.info("kernel layouts: %.2f GB mapped from %s, %.2f GB written", read,
-                        layouts.folder, written)  # fmt: skip
-        autotune.log_choices(self.choices, threads)
+    def _tune_lora_modes(self) -> None:
+        """LoRA's kernel modes timed (lora/tune.py), where adapters will be served."""
         if self._tune_lora and self.lora.kernel is not None:
-            lora_tune.tune(self.lora, self.batch_invariant, threads, self._autotune_cache)
-        kinds = [kind for _, kind in fused]
-        self._step_cost = step_cost(self.choices, linears, kinds, self._lm_head)
-        later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
-        logger.info("kernels: %.1f s (choices: %s)%s", time.perf_counter() - started,
-                    self.choices.source.split(" ")[0], later)  # fmt: skip
-        if not deferred:
-            self._release()
-            return
-        self._completing = threading.Thread(
-            target=self._complete, args=(deferred,), name="kernel-copies", daemon=True
-        )
-        self._completing.start()
+            lora_tune.tune(
+                self.lora, self.batch_invariant, torch.get_num_threads(), self._autotune_cache
+            )
 
-    def _complete(self, deferred: list[autotune.Deferred]) -> None:
-        """What the autotune deferred, on a thread of its own while the step thread serves:
-        one thread (the step thread keeps the others), the layers switched one by one."""
-        started = time.perf_counter()
-        torch.set_num_threads(1)
-        try:
-            head = autotune.complete(deferred)
-        except Exception:  # e.g. out of memory: the layers keep serving on their lean plans
-            logger.exception("kernels: the deferred copies could not be built; serving without")
-            return
-        if head is not None:
-            self._head = head  # the step thread reads it at its next step
-        logger.info("kernels: %d matmuls' copies built in %.1f s: every plan complete",
-                    len(deferred), time.perf_counter() - started)  # fmt: skip
-        self._release()
-
-    def _release(self) -> None:
-        """Let go of what serving no longer reads: the tables and scratch the kernels were built
-        with, the model's own 4-bit tensors, the mapped checkpoint's pages."""
-        release_repack_tables()
-        if self._release_model_weights and all(f is not None for f in self._fused):
-            for layer in self._layers:
-                qkv, o, gate_up, down = projections(layer)
-                for module in (*qkv, o, *gate_up, down):
-                    memory.empty_tensors(module)
-        advised = memory.release_mapped_weights()
-        memory.trim_heap()
-        logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
+    @property
+    def choices(self) -> autotune.Choices | None:
+        """Which kernel serves each matmul per bucket (None until chosen)."""
+        return self.kernels.choices
 
     # -- the disk cache's copies (engine/kv_offload.py's BlockCopies) -------------------------
     def kv_layout(self) -> dict[str, Any]:
@@ -313,8 +208,7 @@ class ModelRunner:
         and the KV pools let go, so their memory returns even where something else keeps the
         model object alive (gptqmodel's first import keeps an ImportError's traceback, whose
         frames hold the first model transformers loaded). Nothing runs on this runner after."""
-        if self._completing is not None:  # the deferred copies read the weights: done first
-            self._completing.join()
+        self.kernels.join()  # the deferred copies read the weights: done first
         for module in self.model.modules():
             memory.empty_tensors(module)
         self._pools.free()
@@ -323,9 +217,7 @@ class ModelRunner:
     def step_cost(self, fed: int, logit_rows: int) -> float | None:
         """What the autotune measured a step of `fed` tokens (`logit_rows` rows of logits)
         costs on this machine, in seconds (None: not measured, e.g. a forced kernel)."""
-        if self._step_cost is None:
-            return None
-        return self._step_cost(fed, logit_rows)
+        return self.kernels.cost(fed, logit_rows)
 
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """Run one step; logits [sum of the rows' logit_count, V] (float32), in row order.
@@ -334,7 +226,7 @@ class ModelRunner:
         microseconds of dispatch per op add up to milliseconds), so a layer is written as few
         tensor ops as it can be: one rotary pass over q, k and v together, one cache write, and
         decode attention as one native call (or one gather and a few batched matmuls)."""
-        self._tune()
+        self.kernels.choose(self._tune_lora_modes)
         plan = StepPlan.build(
             rows,
             self.block_size,
@@ -361,8 +253,8 @@ class ModelRunner:
         if len(plan.logit_rows) != hidden.shape[0]:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
             hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
-        assert self._head is not None
-        return self._logits(self._head(self._final_norm(hidden)))  # [R, V]
+        assert self.kernels.head is not None
+        return self._logits(self.kernels.head(self._final_norm(hidden)))  # [R, V]
 
     def _logits(self, head_out: torch.Tensor) -> torch.Tensor:
         """The head's output as float32 logits, soft-capped where the model caps them."""
@@ -389,8 +281,8 @@ class ModelRunner:
         if len(plan.logit_rows) != normed.shape[0]:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
             normed = normed.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
-        assert self._head is not None
-        return self._logits(self._head(normed))  # [R, V]
+        assert self.kernels.head is not None
+        return self._logits(self.kernels.head(normed))  # [R, V]
 
     def _rope(
         self, hidden: torch.Tensor, positions: list[int], kind: str | None = None

@@ -10,10 +10,12 @@ bucket, and the fastest serves the bucket. A pass over all buckets takes a few s
 choices are cached on disk (autotune_cache.py), keyed by the CPU model and flags, torch's
 version, the threads, the model's shapes, the candidates and the C kernel's source, so a restart
 on the same machine reads them back and a different machine (or torch, or model) measures again.
+Its figures also say what a forward pass of so many tokens costs here (`step_cost`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -274,7 +276,7 @@ def _buckets(
     plan: list[tuple[int, str]] = []
     figures: dict[str, dict[str, float]] = {}
     order = list(kernels)  # one alone is timed too: its figures are the steps' costs
-    # (step_cost.py; speculation's policy drafts only where they pay)
+    # (`step_cost`; speculation's policy drafts only where they pay)
     for rows in BUCKETS:
         x = (torch.randn((rows, k), generator=generator) * 0.5).to(dtype)
         timed: dict[str, float] = {}
@@ -348,3 +350,46 @@ def log_choices(choices: Choices, threads: int) -> None:
 def _head_name(head: Any) -> str:
     weight = getattr(head, "weight", None)
     return "lm_head " + ("x".join(str(d) for d in weight.shape) if weight is not None else "?")
+
+
+# -- what a step costs, from the figures (engine/speculation.py asks whether drafts pay) ------
+def step_cost(
+    choices: Choices, linears: Sequence[Int4Linear], names: Sequence[str], head: Any
+) -> Callable[[int, int], float] | None:
+    """Seconds the matmuls of a forward pass take for `fed` tokens returning `logit_rows`
+    rows of logits, from what the autotune measured of each matmul's chosen kernels (per
+    layer, times the layers of each shape; between two measured row counts, a straight line;
+    past the last, its slope). None where a matmul has no figures (a forced kernel)."""
+    layers, head_name = _groups(linears, names), _head_name(head)
+    curves: list[tuple[list[tuple[int, float]], int, bool]] = []  # (points, layers, per logit)
+    for key, plan in choices.plans.items():
+        figures = choices.figures.get(key)
+        if not figures:
+            return None
+        group = layers.get(key)
+        timed = len(_sample(group)) if group else 1
+        points = []
+        for rows in BUCKETS:
+            kernel = next(name for start, name in reversed(plan) if start <= rows)
+            seconds = figures.get(str(rows), {}).get(kernel)
+            if seconds is None:
+                return None
+            per_layer = timed if rows <= ALL_LAYERS_UP_TO or not group else min(FEW_LAYERS, timed)
+            points.append((rows, seconds / 1e3 / per_layer))
+        curves.append((points, len(group) if group else 1, key == head_name))
+
+    def cost(fed: int, logit_rows: int) -> float:
+        total = 0.0
+        for points, count, head in curves:
+            total += count * _interpolate(points, max(1, logit_rows if head else fed))
+        return total
+
+    return cost
+
+
+def _interpolate(points: list[tuple[int, float]], rows: int) -> float:
+    for (r0, t0), (r1, t1) in itertools.pairwise(points):
+        if rows <= r1:
+            return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+    (r0, t0), (r1, t1) = points[-2], points[-1]
+    return t1 + (t1 - t0) * (rows - r1) / (r1 - r0)

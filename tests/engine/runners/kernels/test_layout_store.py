@@ -65,7 +65,7 @@ def test_a_second_runner_maps_the_layouts_the_first_built(
     if not native.usable_isas():
         pytest.skip("no native matmuls here (neither AVX2 + FMA nor AVX-512)")
     rows = [StepRow([0], 0, [5, 6, 7, 8], True)]
-    with caplog.at_level("INFO", logger="predictor.engine.runners.cpu"):
+    with caplog.at_level("INFO", logger="predictor.engine.runners.kernels.matmuls"):
         first = runner(load_checkpoint(tiny_gptq_dir, device="cpu", threads=1).model, tmp_path)
         logits = first.forward(rows)
         files = sorted((tmp_path / FOLDER).glob("*.bin"))
