@@ -109,5 +109,5 @@ def test_every_chosen_kernel_is_row_invariant(bf16: LoadedModel) -> None:
         assert fused is not None
         for linear in (fused.qkv, fused.o, fused.gate_up, fused.down):
             assert row_invariant(linear.forward, linear.in_features, generator)
-    assert made._head is not None
-    assert row_invariant(made._head, bf16.model.lm_head.weight.shape[1], generator)
+    assert made.kernels.head is not None
+    assert row_invariant(made.kernels.head, bf16.model.lm_head.weight.shape[1], generator)

@@ -113,8 +113,8 @@ def greedy(runner: ModelRunner, prompt: list[int], count: int) -> list[int]:
 
 def fp32_activations(runner: ModelRunner) -> ModelRunner:
     """The model's own lm_head, not the autotune's pick (which may quantize its input)."""
-    runner._tune()
-    runner._head = runner._lm_head
+    runner.kernels.choose()
+    runner.kernels.head = runner._lm_head
     return runner
 
 
