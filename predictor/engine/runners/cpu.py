@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from predictor.config import ATTENTION
-from predictor.engine.runners import memory, torch_attention
+from predictor.engine.runners import memory
+from predictor.engine.runners.attention import Rope, native_kernel
+from predictor.engine.runners.attention import choose as attention_choice
 from predictor.engine.runners.family import family, head_sizes
 from predictor.engine.runners.kernels import autotune
 from predictor.engine.runners.kernels.int4_linear import projections
@@ -30,14 +31,9 @@ from predictor.engine.runners.kv_pools import KVPools
 from predictor.engine.runners.lora import tune as lora_tune
 from predictor.engine.runners.lora.weights import Factors, LoraWeights, projection_shapes
 from predictor.engine.runners.lora.weights import Step as LoraStep
-from predictor.engine.runners.native.bindings import (
-    DecodeAttention,
-    decode_attention,
-)
 from predictor.engine.runners.native.layer_kernels import LayerKernels, layer_kernels
 from predictor.engine.runners.plan import StepPlan
 from predictor.engine.step import StepRow
-from predictor.errors import NativeUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +87,6 @@ class ModelRunner:
         self._embed = decoder.embed_tokens
         self._layers = list(decoder.layers)
         traits = family(model, self._layers)  # UnsupportedModel for another type
-        self._norm = decoder.norm
         self._rotary = decoder.rotary_emb
         self._lm_head = model.lm_head
         sizes = head_sizes(model)
@@ -110,8 +105,7 @@ class ModelRunner:
         self._fused = self.kernels.fused  # per layer: its fused int4 projections, or None
         # what differs between the families (family.py)
         self._norms, self._final_norm = traits.norms, traits.final_norm
-        self._attention_cap, self._logit_cap = traits.attention_cap, traits.logit_cap
-        self._rope_kinds, self._windows = traits.rope_kinds, traits.windows
+        self._logit_cap = traits.logit_cap
         self._qk_norms = traits.qk_norms
         self.kernel = kernel
         self.batch_invariant = batch_invariant
@@ -120,7 +114,10 @@ class ModelRunner:
         self._pools = KVPools(
             len(self._layers), self.kv_heads, self.head_dim, num_blocks, block_size, dtype, device
         )
-        self._native = self._native_attention(attention, dtype)
+        self._native = native_kernel(
+            attention, sizes, block_size, device, dtype, traits.attention_cap, traits.windows,
+            self.kernels.library_cache(),
+        )  # fmt: skip
         if batch_invariant and self._native is None:
             logger.warning(
                 "determinism: the kernels are row-invariant, but attention is torch's (native "
@@ -133,37 +130,14 @@ class ModelRunner:
         if self._native is not None:
             self._ops = layer_kernels(model, self.head_dim, self.kernels.library_cache())
             self.lora.kernel = self._ops
-
-    def _native_attention(self, attention: str, dtype: torch.dtype) -> DecodeAttention | None:
-        if attention not in ATTENTION:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, not {attention!r}")
-        if attention == "triton":
-            raise ValueError("triton attention is the GPU runner's (--device cuda)")
-        if attention == "torch":
-            return None
-        if self.device.type != "cpu" or dtype != torch.bfloat16:
-            if attention == "native":
-                raise ValueError("native attention needs a bf16 model on the CPU")
-            return None
-        if self._attention_cap is not None or any(self._windows):
-            if attention == "native":
-                raise ValueError(
-                    "native attention has no soft-capping of scores (Gemma 2) nor sliding "
-                    "window masks (Gemma 3)"
-                )
-            return None
-        try:
-            return decode_attention(
-                self.head_dim,
-                self.heads // self.kv_heads,
-                self.block_size,
-                self.kernels.library_cache(),
-            )
-        except NativeUnavailable as error:
-            if attention == "native":
-                raise
-            logger.warning("native decode attention unavailable, using torch's: %s", error)
-            return None
+        # chosen once: how a layer attends, and how the layers run (with the native ops or not)
+        self._attend = attention_choice(
+            sizes, self._rotary, traits.rope_kinds, traits.attention_cap, traits.windows, device,
+            self._native, self._ops,
+        )  # fmt: skip
+        self._run_layers = self._torch_layers if self._ops is None else self._native_layers
+        # the final norm where the layers leave it to the logits (the native ops apply it)
+        self._logits_norm = self._final_norm if self._ops is None else _unchanged
 
     def bind_thread(self) -> None:
         """Called first on the thread that will run the forward passes.
@@ -232,7 +206,7 @@ class ModelRunner:
             self.block_size,
             self._pools.pad_slot,
             self.device,
-            self._native is not None,
+            self._attend.native,
             self.heads // self.kv_heads,
             queries_as_decode=self.batch_invariant,
         )
@@ -241,79 +215,55 @@ class ModelRunner:
         if any(row.adapter for row in rows):  # adapters' rows: their tokens by slot
             self._lora_step = self.lora.step([row.adapter for row in rows for _ in row.tokens])
         hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
-        if self._ops is not None:
-            return self._forward_native(hidden, plan, self._ops)
-        ropes = {kind: self._rope(hidden, plan.positions, kind) for kind in set(self._rope_kinds)}
+        ropes = self._attend.tables(hidden, plan.positions)  # per layer
+        return self._logits(self._run_layers(hidden, plan, ropes), plan)
+
+    def _torch_layers(
+        self, hidden: torch.Tensor, plan: StepPlan, ropes: list[Rope]
+    ) -> torch.Tensor:
+        """The layers with the family's norms (family.py): the hidden states [N, hidden]."""
         for index, layer in enumerate(self._layers):
             before_attention, after_attention, before_mlp, after_mlp = self._norms[index]
-            rope = ropes[self._rope_kinds[index]]
-            out = self._attention(index, layer.self_attn, before_attention(hidden), rope, plan)
+            out = self._attention(index, before_attention(hidden), ropes[index], plan)
             hidden = hidden + after_attention(out)
             hidden = hidden + after_mlp(self._mlp(index, layer.mlp, before_mlp(hidden)))
+        return hidden
+
+    def _native_layers(
+        self, hidden: torch.Tensor, plan: StepPlan, ropes: list[Rope]
+    ) -> torch.Tensor:
+        """The layers with the native layer ops: each residual add fused into the next norm
+        (hidden is updated in place); the final norm applied too."""
+        ops = self._ops
+        assert ops is not None
+        normed = ops.add_rms_norm(hidden, None, 0)
+        for index, layer in enumerate(self._layers):
+            out = self._attention(index, normed, ropes[index], plan)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 1)
+            out = self._mlp(index, layer.mlp, normed)
+            normed = ops.add_rms_norm(hidden, out, 2 * index + 2)  # the last: the final norm
+        return normed
+
+    def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The step's logits [R, V] float32: the rows it returns logits for (`plan.logit_rows`;
+        R may be 0 mid-prompt), through the final norm (where the layers left it), lm_head
+        and the soft cap where the model caps them."""
         if len(plan.logit_rows) != hidden.shape[0]:
             wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
-            hidden = hidden.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
-        assert self.kernels.head is not None
-        return self._logits(self.kernels.head(self._final_norm(hidden)))  # [R, V]
-
-    def _logits(self, head_out: torch.Tensor) -> torch.Tensor:
-        """The head's output as float32 logits, soft-capped where the model caps them."""
-        logits = head_out.float()
+            hidden = hidden.index_select(0, wanted)  # [R, hidden]
+        head = self.kernels.head
+        assert head is not None
+        logits = head(self._logits_norm(hidden)).float()
         if self._logit_cap is not None:
             cap = float(self._logit_cap)
             logits = torch.tanh(logits / cap).mul_(cap)
         return logits
 
-    def _forward_native(
-        self, hidden: torch.Tensor, plan: StepPlan, ops: LayerKernels
-    ) -> torch.Tensor:
-        """`forward` with the native layer ops: each residual add fused into the next norm
-        (hidden is updated in place), the rotary pass and the cache write in one call."""
-        at = torch.tensor(plan.positions, dtype=torch.long, device=self.device).unsqueeze(0)
-        cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
-        rope = (cos[0].to(hidden.dtype).contiguous(), sin[0].to(hidden.dtype).contiguous())
-        normed = ops.add_rms_norm(hidden, None, 0)
-        for index, layer in enumerate(self._layers):
-            out = self._attention(index, layer.self_attn, normed, rope, plan)
-            normed = ops.add_rms_norm(hidden, out, 2 * index + 1)
-            out = self._mlp(index, layer.mlp, normed)
-            normed = ops.add_rms_norm(hidden, out, 2 * index + 2)  # the last: the final norm
-        if len(plan.logit_rows) != normed.shape[0]:
-            wanted = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
-            normed = normed.index_select(0, wanted)  # [R, hidden]; R may be 0 mid-prompt
-        assert self.kernels.head is not None
-        return self._logits(self.kernels.head(normed))  # [R, V]
-
-    def _rope(
-        self, hidden: torch.Tensor, positions: list[int], kind: str | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin tables [N, heads + 2 kv_heads, head_dim] that rotate q and k and leave v
-        as it is (cos 1, sin 0), sin's first half negated, for `_attention`'s single pass
-        (`kind`: the layer type whose table, where the model has one per type)."""
-        at = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(0)
-        if kind is None:
-            cos, sin = self._rotary(hidden.unsqueeze(0), at)  # [1, N, head_dim] each
-        else:
-            cos, sin = self._rotary(hidden.unsqueeze(0), at, kind)
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)
-        half, rotated = self.head_dim // 2, self.heads + self.kv_heads
-        shape = (hidden.shape[0], rotated + self.kv_heads, self.head_dim)
-        cos_all = torch.ones(shape, dtype=cos.dtype, device=self.device)
-        sin_all = torch.zeros(shape, dtype=sin.dtype, device=self.device)
-        cos_all[:, :rotated] = cos
-        sin_all[:, :rotated, :half] = -sin[..., :half]
-        sin_all[:, :rotated, half:] = sin[..., half:]
-        return cos_all, sin_all
-
     def _attention(
-        self,
-        index: int,
-        attn: Any,
-        hidden: torch.Tensor,  # [N, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],
-        plan: StepPlan,
+        self, index: int, hidden: torch.Tensor, rope: Rope, plan: StepPlan
     ) -> torch.Tensor:
-        n, heads, kv_heads, dim = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
+        """Layer `index`'s attention block on `hidden` [N, hidden]: q/k/v, the attention chosen
+        at start, o; the adapters' deltas where the step has adapters' rows."""
         fused = self._fused[index]
         if fused is not None:
             qkv = fused.qkv.forward(hidden)  # not __call__: its hook machinery, 120 a step
@@ -322,39 +272,12 @@ class ModelRunner:
         if self._lora_step is not None:
             qkv = self.lora.apply(index, "qkv", hidden, qkv, self._lora_step)
         if self._qk_norms is not None:
-            qkv = self._norm_heads(index, qkv, n)
-        pool = self._pools[index]
-        cos, sin = rope
-        if self._ops is not None:  # rope [N, dim] each; rotated and written in one call
-            qkv = qkv.contiguous().view(n, heads + 2 * kv_heads, dim)
-            self._ops.rope_write(qkv, heads, kv_heads, cos, sin, pool, plan.write_slots)
+            qkv = self._norm_heads(index, qkv, hidden.shape[0])
+        out = self._attend(index, qkv, self._pools[index], rope, plan)  # [N, heads * dim]
+        if fused is not None:
+            projected = fused.o.forward(out)
         else:
-            # rotary embedding of q and k (v passes through: cos 1, sin 0), as transformers'
-            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1) = (x2, x1) * (-1, 1)
-            qkv = qkv.view(n, heads + 2 * kv_heads, dim)
-            swapped = qkv.view(n, heads + 2 * kv_heads, 2, dim // 2).flip(2).view_as(qkv)
-            qkv = qkv * cos + swapped * sin
-            pool.index_copy_(1, plan.write_slots, qkv[:, heads:].transpose(0, 1))
-        out = torch.empty((n, heads * dim), dtype=qkv.dtype, device=qkv.device)
-        if plan.decode_rows and self._native is not None:
-            tables, lengths, counts, scratch = plan.native_args
-            self._native(
-                qkv, pool, tables, lengths, counts, len(lengths), self.scale, out, scratch,
-                torch.get_num_threads(),  # --threads, on the step thread
-            )  # fmt: skip
-        elif plan.decode_rows:
-            out[: plan.decode_rows] = torch_attention.decode(
-                qkv, pool, plan, heads, self.scale, self._attention_cap, self._windows[index]
-            )
-        for first, count, slots, mask in plan.prefills:
-            query = qkv[first : first + count, :heads].transpose(0, 1).unsqueeze(0)
-            kv = pool.index_select(1, slots).unsqueeze(0)  # [1, 2 kv_heads, T, dim]
-            attended = torch_attention.prefill(
-                query, kv[:, :kv_heads], kv[:, kv_heads:], mask, self.scale,
-                self._attention_cap, self._windows[index],
-            )  # fmt: skip
-            out[first : first + count] = attended[0].transpose(0, 1).reshape(count, heads * dim)
-        projected = fused.o.forward(out) if fused is not None else attn.o_proj(out)
+            projected = self._layers[index].self_attn.o_proj(out)
         if self._lora_step is not None:
             projected = self.lora.apply(index, "o", out, projected, self._lora_step)
         return projected
@@ -408,3 +331,7 @@ class ModelRunner:
             inner = mlp.act_fn(gate) * up
         down = fused.down.forward(inner) if fused is not None else mlp.down_proj(inner)
         return self.lora.apply(index, "down", inner, down, step)
+
+
+def _unchanged(x: torch.Tensor) -> torch.Tensor:
+    return x

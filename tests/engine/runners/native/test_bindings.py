@@ -15,6 +15,7 @@ import torch
 
 from predictor import toolchain
 from predictor.config import ModelSettings, Settings
+from predictor.engine.runners.attention import NativeAttention, TorchAttention
 from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.runners.native import bindings as native
 from predictor.engine.step import StepRow
@@ -141,6 +142,8 @@ def test_runner_native_and_torch_attention_agree(tiny_gptq: Any) -> None:
         model, torch.device("cpu"), 64, 16, attention="torch", autotune_cache=tune_cache()
     )
     assert fast._native is not None and plain._native is None
+    # the attention chosen once at start: the kernel's with the native ops, or torch's
+    assert type(fast._attend) is NativeAttention and type(plain._attend) is TorchAttention
     rng = random.Random(9)
     # rows of different lengths: decode steps where the torch path masks and the kernel stops
     prompts = [[rng.randrange(100, 40000) for _ in range(n)] for n in (3, 16, 17, 40)]
