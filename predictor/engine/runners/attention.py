@@ -88,8 +88,9 @@ class TorchAttention:
         qkv = self._write(qkv, pool, rope, plan)  # [N, heads + 2 kv_heads, dim]
         out = torch.empty(
             (qkv.shape[0], self._sizes.heads * self._sizes.head_dim),
-            dtype=qkv.dtype, device=qkv.device,
-        )  # fmt: skip
+            dtype=qkv.dtype,
+            device=qkv.device,
+        )
         if plan.decode_rows:
             self._decode(index, qkv, pool, plan, out)
         prefills(qkv, pool, plan, self._sizes, out, self._cap, self._windows[index])
@@ -141,9 +142,17 @@ class NativeDecodeAttention(TorchAttention):
     ) -> None:
         tables, lengths, counts, scratch = plan.native_args
         self._kernel(
-            qkv, pool, tables, lengths, counts, len(lengths), self._sizes.scale, out, scratch,
+            qkv,
+            pool,
+            tables,
+            lengths,
+            counts,
+            len(lengths),
+            self._sizes.scale,
+            out,
+            scratch,
             torch.get_num_threads(),  # --threads, on the step thread
-        )  # fmt: skip
+        )
 
 
 class NativeAttention(NativeDecodeAttention):
@@ -300,9 +309,14 @@ def prefill(
         mask = window_mask(count, total, window, query.device)
     if cap is None:
         return F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+            query,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
             enable_gqa=query.shape[1] != keys.shape[1],
-        )  # fmt: skip
+        )
     group = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = capped(torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scale, cap)

@@ -99,9 +99,14 @@ class ModelRunner:
         self._lora_step: LoraStep | None = None
         # the matmuls' kernels: layers fused or prepacked now, kernels chosen in `bind_thread`
         self.kernels = Matmuls(
-            self._layers, self._lm_head, kernel, batch_invariant, autotune_cache,
-            copies_after_ready, release_model_weights,
-        )  # fmt: skip
+            self._layers,
+            self._lm_head,
+            kernel,
+            batch_invariant,
+            autotune_cache,
+            copies_after_ready,
+            release_model_weights,
+        )
         self._fused = self.kernels.fused  # per layer: its fused int4 projections, or None
         # what differs between the families (family.py)
         self._norms, self._final_norm = traits.norms, traits.final_norm
@@ -115,9 +120,15 @@ class ModelRunner:
             len(self._layers), self.kv_heads, self.head_dim, num_blocks, block_size, dtype, device
         )
         self._native = native_kernel(
-            attention, sizes, block_size, device, dtype, traits.attention_cap, traits.windows,
+            attention,
+            sizes,
+            block_size,
+            device,
+            dtype,
+            traits.attention_cap,
+            traits.windows,
             self.kernels.library_cache(),
-        )  # fmt: skip
+        )
         if batch_invariant and self._native is None:
             logger.warning(
                 "determinism: the kernels are row-invariant, but attention is torch's (native "
@@ -132,9 +143,15 @@ class ModelRunner:
             self.lora.kernel = self._ops
         # chosen once: how a layer attends, and how the layers run (with the native ops or not)
         self._attend = attention_choice(
-            sizes, self._rotary, traits.rope_kinds, traits.attention_cap, traits.windows, device,
-            self._native, self._ops,
-        )  # fmt: skip
+            sizes,
+            self._rotary,
+            traits.rope_kinds,
+            traits.attention_cap,
+            traits.windows,
+            device,
+            self._native,
+            self._ops,
+        )
         self._run_layers = self._torch_layers if self._ops is None else self._native_layers
         # the final norm where the layers leave it to the logits (the native ops apply it)
         self._logits_norm = self._final_norm if self._ops is None else _unchanged

@@ -53,9 +53,14 @@ class KVPools:
     def layout(self) -> dict[str, Any]:
         """What a block's payload depends on (the disk cache's identity)."""
         pool = self.layers[0]
-        return {"dtype": str(pool.dtype), "layers": len(self.layers), "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "block_size": self.block_size,
-                "code": code_digest()}  # fmt: skip
+        return {
+            "dtype": str(pool.dtype),
+            "layers": len(self.layers),
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "block_size": self.block_size,
+            "code": code_digest(),
+        }
 
     def block_bytes(self) -> int:
         return block_bytes(self.layers, self.block_size)

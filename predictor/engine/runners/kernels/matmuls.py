@@ -50,19 +50,21 @@ class Matmuls:
         reasons = sorted({f for f in fused if isinstance(f, str)})
         # the layers it could not fuse: plain bf16 projections (dequantized) prepacked for oneDNN
         prepacked = sum(
-            prepack_layer(layer) for layer, f in zip(layers, self.fused, strict=True)
-            if f is None
-        )  # fmt: skip
+            prepack_layer(layer) for layer, f in zip(layers, self.fused, strict=True) if f is None
+        )
         if prepacked:
             logger.info("%d dense bf16 projections prepacked for oneDNN", prepacked)
         if reasons:  # logged once, with why: the model's own modules are the slower path
             logger.log(
                 logging.INFO if prepacked else logging.WARNING,
                 "%d of %d layers not fused into the native int4 kernels (%s): %s",
-                len([f for f in self.fused if f is None]), len(self.fused), "; ".join(reasons),
-                "their dense projections serve them" if prepacked else "the model's own modules "
-                "serve them, more slowly",
-            )  # fmt: skip
+                len([f for f in self.fused if f is None]),
+                len(self.fused),
+                "; ".join(reasons),
+                "their dense projections serve them"
+                if prepacked
+                else "the model's own modules serve them, more slowly",
+            )
         if forced != "auto" and forced not in FUSED_KERNELS:
             raise ValueError(f"kernel must be auto or one of {', '.join(FUSED_KERNELS)}")
         if forced != "auto":
@@ -121,20 +123,35 @@ class Matmuls:
         for linear in linears:
             linear.layouts = layouts
         self.choices, self.head, deferred = autotune.tune(
-            linears, kinds, self._lm_head, threads, self._cache_dir, self.forced,
-            self.invariant, self._copies_after_ready, layouts,
-        )  # fmt: skip
+            linears,
+            kinds,
+            self._lm_head,
+            threads,
+            self._cache_dir,
+            self.forced,
+            self.invariant,
+            self._copies_after_ready,
+            layouts,
+        )
         if layouts is not None:
             read, written = layouts.read_bytes / 1e9, layouts.written_bytes / 1e9
-            logger.info("kernel layouts: %.2f GB mapped from %s, %.2f GB written", read,
-                        layouts.folder, written)  # fmt: skip
+            logger.info(
+                "kernel layouts: %.2f GB mapped from %s, %.2f GB written",
+                read,
+                layouts.folder,
+                written,
+            )
         autotune.log_choices(self.choices, threads)
         if then is not None:
             then()
         self._cost = autotune.step_cost(self.choices, linears, kinds, self._lm_head)
         later = f"; {len(deferred)} matmuls' copies built after ready" if deferred else ""
-        logger.info("kernels: %.1f s (choices: %s)%s", time.perf_counter() - started,
-                    self.choices.source.split(" ")[0], later)  # fmt: skip
+        logger.info(
+            "kernels: %.1f s (choices: %s)%s",
+            time.perf_counter() - started,
+            self.choices.source.split(" ")[0],
+            later,
+        )
         if not deferred:
             self._release()
             return
@@ -182,8 +199,11 @@ class Matmuls:
             return
         if head is not None:
             self.head = head  # the step thread reads it at its next step
-        logger.info("kernels: %d matmuls' copies built in %.1f s: every plan complete",
-                    len(deferred), time.perf_counter() - started)  # fmt: skip
+        logger.info(
+            "kernels: %d matmuls' copies built in %.1f s: every plan complete",
+            len(deferred),
+            time.perf_counter() - started,
+        )
         self._release()
 
     def _release(self) -> None:

@@ -18,9 +18,12 @@ def test_the_kernels_are_chosen_once_and_the_hook_runs_before_the_copies(
 ) -> None:
     model = tiny_gptq.model
     matmuls = Matmuls(
-        list(model.model.layers), model.lm_head, invariant=False, cache_dir=tmp_path,
+        list(model.model.layers),
+        model.lm_head,
+        invariant=False,
+        cache_dir=tmp_path,
         copies_after_ready=True,
-    )  # fmt: skip
+    )
     assert matmuls.fused and all(f is not None for f in matmuls.fused)
     assert matmuls.head is None and matmuls.cost(1, 1) is None  # nothing chosen yet
     seen: list[bool] = []
@@ -44,6 +47,9 @@ def test_a_forced_kernel_is_checked_at_start_and_has_no_step_cost(tiny_gptq: Any
     forced = Matmuls(layers, model.lm_head, forced="int4_op", invariant=False)
     forced.choose()
     assert forced.choices is not None and forced.choices.source == "forced"
-    assert all(plan == [(1, "int4_op")] for key, plan in forced.choices.plans.items()
-               if not key.startswith("lm_head"))  # fmt: skip
+    assert all(
+        plan == [(1, "int4_op")]
+        for key, plan in forced.choices.plans.items()
+        if not key.startswith("lm_head")
+    )
     assert forced.cost(1, 1) is None  # no figures for a kernel that was not measured
