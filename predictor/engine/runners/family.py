@@ -72,7 +72,7 @@ def family(model: Any, layers: list[Any]) -> Family:
         windows=[
             int(window) if masked and t == "sliding_attention" else None  # type: ignore[arg-type]
             for t in layer_types
-        ],  # fmt: skip
+        ],
         qk_norms=qk_norms or None,
     )
 
@@ -83,10 +83,18 @@ def _layer_norms(layer: Any) -> tuple[Norm, Norm, Norm, Norm]:
     attention's output; pre_feedforward_layernorm the MLP's input)."""
     post_mlp = getattr(layer, "post_feedforward_layernorm", None)
     if post_mlp is None:
-        return (rms_norm(layer.input_layernorm), _unchanged,
-                rms_norm(layer.post_attention_layernorm), _unchanged)  # fmt: skip
-    return (rms_norm(layer.input_layernorm), rms_norm(layer.post_attention_layernorm),
-            rms_norm(layer.pre_feedforward_layernorm), rms_norm(post_mlp))  # fmt: skip
+        return (
+            rms_norm(layer.input_layernorm),
+            _unchanged,
+            rms_norm(layer.post_attention_layernorm),
+            _unchanged,
+        )
+    return (
+        rms_norm(layer.input_layernorm),
+        rms_norm(layer.post_attention_layernorm),
+        rms_norm(layer.pre_feedforward_layernorm),
+        rms_norm(post_mlp),
+    )
 
 
 def _unchanged(x: torch.Tensor) -> torch.Tensor:

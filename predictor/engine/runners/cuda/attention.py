@@ -32,9 +32,15 @@ class Heads:
 
 
 def prefill(
-    heads: Heads, qkv: torch.Tensor, pool: torch.Tensor, first: int, count: int, start: int,
-    slots: torch.Tensor, out: torch.Tensor,
-) -> None:  # fmt: skip
+    heads: Heads,
+    qkv: torch.Tensor,
+    pool: torch.Tensor,
+    first: int,
+    count: int,
+    start: int,
+    slots: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
     """A prompt chunk's queries (flat rows first..first + count) against the row's keys
     0..start + count - 1 (`slots`), written into `out`."""
     h, kvh, dim, device = heads.heads, heads.kv_heads, heads.dim, qkv.device
@@ -48,16 +54,26 @@ def prefill(
         queries_at = torch.arange(start, end, device=device).unsqueeze(1)
         mask = (keys_at <= queries_at).view(1, 1, count, end)
     attended = F.scaled_dot_product_attention(
-        query, kv[:, :kvh], kv[:, kvh:], attn_mask=mask, is_causal=mask is None,
-        scale=heads.scale, enable_gqa=h != kvh,
-    )  # fmt: skip
+        query,
+        kv[:, :kvh],
+        kv[:, kvh:],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=heads.scale,
+        enable_gqa=h != kvh,
+    )
     out[first : first + count] = attended[0].transpose(0, 1).reshape(count, h * dim)
 
 
 def torch_decode(
-    heads: Heads, qkv: torch.Tensor, pool: torch.Tensor, tables: torch.Tensor,
-    lengths: torch.Tensor, out: torch.Tensor, pad_slot: int,
-) -> None:  # fmt: skip
+    heads: Heads,
+    qkv: torch.Tensor,
+    pool: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: torch.Tensor,
+    out: torch.Tensor,
+    pad_slot: int,
+) -> None:
     """Decode attention in torch ops: each row's slots gathered, batched matmuls."""
     d, kvh, dim, size, device = (
         qkv.shape[0],
@@ -96,16 +112,27 @@ def choose(heads: Heads, pool: torch.Tensor, rows: int, num_blocks: int, pad_slo
     out = torch.empty((rows, heads.heads * heads.dim), dtype=dtype, device=device)
     paths = {
         "triton": lambda: triton_ops.paged_decode_attention(
-            qkv, pool, tables, lengths, out, heads.heads, heads.kv_heads, heads.block_size,
-            heads.scale),
+            qkv,
+            pool,
+            tables,
+            lengths,
+            out,
+            heads.heads,
+            heads.kv_heads,
+            heads.block_size,
+            heads.scale,
+        ),
         "torch": lambda: torch_decode(heads, qkv, pool, tables, lengths, out, pad_slot),
-    }  # fmt: skip
+    }
     figures = {name: _time_eager(run) for name, run in paths.items()}
     choice = min(figures, key=figures.__getitem__)
     logger.info(
-        "GPU decode attention (eager steps): %s (%s at %d rows x %d keys)", choice,
-        ", ".join(f"{n} {t:.0f} us" for n, t in figures.items()), rows, keys,
-    )  # fmt: skip
+        "GPU decode attention (eager steps): %s (%s at %d rows x %d keys)",
+        choice,
+        ", ".join(f"{n} {t:.0f} us" for n, t in figures.items()),
+        rows,
+        keys,
+    )
     return choice
 
 

@@ -31,8 +31,12 @@ TINYGEMM, DENSE = "tinygemm", "dense"
 # Triton tiles (rows x columns) offered per row count: small tiles for few rows (more
 # programs over the columns: a decode step must keep every multiprocessor reading), wide ones
 # for prompt chunks
-TRITON_TILES = {1: ((16, 32), (16, 64)), 16: ((16, 64), (32, 64)), 64: ((64, 64), (64, 128)),
-                256: ((128, 128),)}  # fmt: skip
+TRITON_TILES = {
+    1: ((16, 32), (16, 64)),
+    16: ((16, 64), (32, 64)),
+    64: ((64, 64), (64, 128)),
+    256: ((128, 128),),
+}
 
 
 def triton_name(block_m: int, block_n: int) -> str:
@@ -46,8 +50,10 @@ class CudaLinear:
         first = parts[0]
         for part in parts[1:]:
             same = (part.bits, part.group_size, part.in_features) == (
-                first.bits, first.group_size, first.in_features
-            )  # fmt: skip
+                first.bits,
+                first.group_size,
+                first.in_features,
+            )
             if not same or not _same_perm(part.perm, first.perm):
                 raise ValueError("fused projections differ in bits, groups, width or order")
         self.bits, self.group_size = first.bits, first.group_size
@@ -62,10 +68,12 @@ class CudaLinear:
         biases = [p.bias for p in parts]
         self.bias: torch.Tensor | None = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat([
-                b if b is not None else torch.zeros(p.out_features, device=self.qweight.device)
-                for b, p in zip(biases, parts, strict=True)
-            ]).to(dtype)  # fmt: skip
+            self.bias = torch.cat(
+                [
+                    b if b is not None else torch.zeros(p.out_features, device=self.qweight.device)
+                    for b, p in zip(biases, parts, strict=True)
+                ]
+            ).to(dtype)
         self._kernels: dict[str, Kernel] = {}
         self._by_rows: list[Kernel] = []
         self.plan: list[tuple[int, str]] = []
@@ -170,8 +178,9 @@ class CudaLinear:
         warps = 8 if block_m * block_n >= 128 * 128 else 4
 
         def run(x: torch.Tensor) -> torch.Tensor:
-            return gptq_matmul(x, self.qweight, self.scales, self.zeros, bits, group, block_m,
-                               block_n, warps)  # fmt: skip
+            return gptq_matmul(
+                x, self.qweight, self.scales, self.zeros, bits, group, block_m, block_n, warps
+            )
 
         return run
 

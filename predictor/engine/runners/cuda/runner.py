@@ -98,15 +98,21 @@ class CudaRunner:
         if self.head_dim & (self.head_dim - 1) or self.head_dim < 16:
             raise UnsupportedModel(f"head size {self.head_dim}: the GPU kernels take powers of 2")
         self.scale = sizes.scale
-        self._heads = paths.Heads(self.heads, self.kv_heads, self.head_dim, self.scale,
-                                      block_size)  # fmt: skip
+        self._heads = paths.Heads(self.heads, self.kv_heads, self.head_dim, self.scale, block_size)
         self._embed = decoder.embed_tokens.weight
         self._head = model.lm_head.weight  # [V, hidden]
         self._qkv, self._o, self._gate_up, self._down = [], [], [], []
         for layer in self._layers:
             attn, mlp = layer.self_attn, layer.mlp
-            parts = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                     mlp.gate_proj, mlp.up_proj, mlp.down_proj)  # fmt: skip
+            parts = (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            )
             if not all(hasattr(p, "qweight") and hasattr(p, "zeros") for p in parts):
                 raise UnsupportedModel(
                     "the GPU runner serves GPTQ checkpoints read by model/gptq.py (GPTQLinear)"
@@ -122,10 +128,11 @@ class CudaRunner:
         self._norms = [(n.weight.detach().contiguous(), float(n.variance_epsilon)) for n in norms]
         slots = num_blocks * block_size
         self._pools = [
-            torch.zeros((2 * self.kv_heads, slots + 1, self.head_dim), dtype=self.dtype,
-                        device=device)
+            torch.zeros(
+                (2 * self.kv_heads, slots + 1, self.head_dim), dtype=self.dtype, device=device
+            )
             for _ in self._layers
-        ]  # fmt: skip
+        ]
         self._pad_slot = slots
         positions = int(getattr(config, "max_position_embeddings", 4096))
         self._cos, self._sin = self._rope_tables(decoder.rotary_emb, positions)
@@ -153,8 +160,12 @@ class CudaRunner:
 
     def _linears(self) -> tuple[list[CudaLinear], list[str]]:
         linears, names = [], []
-        for kind, table in (("qkv", self._qkv), ("o", self._o), ("gate_up", self._gate_up),
-                            ("down", self._down)):  # fmt: skip
+        for kind, table in (
+            ("qkv", self._qkv),
+            ("o", self._o),
+            ("gate_up", self._gate_up),
+            ("down", self._down),
+        ):
             for parts in table:
                 linears += parts
                 names += [kind if len(parts) == 1 else f"{kind}[{i}]" for i in range(len(parts))]
@@ -172,9 +183,13 @@ class CudaRunner:
             tuned = time.perf_counter()
             self.attention = self._attention_choice
             if self.attention == "auto":
-                self.attention = paths.choose(self._heads, self._pools[0],
-                                                  min(16, self.max_rows), self.num_blocks,
-                                                  self._pad_slot)  # fmt: skip
+                self.attention = paths.choose(
+                    self._heads,
+                    self._pools[0],
+                    min(16, self.max_rows),
+                    self.num_blocks,
+                    self._pad_slot,
+                )
             if self._release:  # only the runner runs the served model: its own copies go
                 self._release_model_weights()
             if self._use_graphs:
@@ -183,16 +198,26 @@ class CudaRunner:
         logger.info(
             "GPU runner ready: kernels measured in %.1f s, %d decode graphs (rows %s) in %.1f s;"
             " %.0f MiB of KV cache, %.0f MiB on the GPU",
-            tuned - start, len(self._graphs), sorted(self._graphs),
-            time.perf_counter() - tuned, self.cache_bytes / 2**20,
+            tuned - start,
+            len(self._graphs),
+            sorted(self._graphs),
+            time.perf_counter() - tuned,
+            self.cache_bytes / 2**20,
             torch.cuda.memory_allocated(self.device) / 2**20,
-        )  # fmt: skip
+        )
 
     def _release_model_weights(self) -> None:
         for layer in self._layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                           mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # fmt: skip
+            for module in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
                 for name in ("qweight", "zeros", "scales"):
                     setattr(module, name, torch.empty(0, device=self.device))
         torch.cuda.empty_cache()
@@ -223,12 +248,20 @@ class CudaRunner:
             pool, d = self._pools[index], step.decode_rows
             if d and self.attention == "triton":
                 triton_ops.paged_decode_attention(
-                    qkv, pool, step.tables, step.lengths, out, self.heads, self.kv_heads,
-                    self.block_size, self.scale,
-                )  # fmt: skip
+                    qkv,
+                    pool,
+                    step.tables,
+                    step.lengths,
+                    out,
+                    self.heads,
+                    self.kv_heads,
+                    self.block_size,
+                    self.scale,
+                )
             elif d:
-                paths.torch_decode(self._heads, qkv[:d], pool, step.tables, step.lengths,
-                                       out[:d], self._pad_slot)  # fmt: skip
+                paths.torch_decode(
+                    self._heads, qkv[:d], pool, step.tables, step.lengths, out[:d], self._pad_slot
+                )
             for first, count, start, slots in step.prefills:
                 paths.prefill(self._heads, qkv, pool, first, count, start, slots, out)
 
@@ -251,8 +284,9 @@ class CudaRunner:
         normed = triton_ops.add_rms_norm(hidden, None, weight, eps)
         for index in range(len(self._layers)):
             qkv = _project(self._qkv[index], normed)  # [N, (heads + 2 kv_heads) dim]
-            triton_ops.rope_write(qkv, self._cos, self._sin, positions, slots,
-                                  self._pools[index], heads, kv_heads)  # fmt: skip
+            triton_ops.rope_write(
+                qkv, self._cos, self._sin, positions, slots, self._pools[index], heads, kv_heads
+            )
             out = torch.empty((n, heads * self.head_dim), dtype=self.dtype, device=self.device)
             attend(index, qkv, out)
             weight, eps = self._norms[2 * index + 1]
@@ -268,8 +302,9 @@ class CudaRunner:
         one copy that does not wait for the device."""
         self._copied.synchronize()  # the last copy out of the buffer has been read
         if self._host.numel() < values.size:
-            self._host = torch.empty(max(values.size, 2 * self._host.numel()),
-                                     dtype=torch.int32).pin_memory()  # fmt: skip
+            self._host = torch.empty(
+                max(values.size, 2 * self._host.numel()), dtype=torch.int32
+            ).pin_memory()
         host = self._host[: values.size]
         host.numpy()[:] = values
         if into is None:
@@ -284,23 +319,42 @@ class CudaRunner:
         tables = [list(row.blocks) for row in rows[:decode]]
         lengths = [row.start + 1 for row in rows[:decode]]
         chunks = [
-            (first, len(row.tokens), row.start,
-             slots_of(row.blocks, 0, row.start + len(row.tokens), self.block_size))
+            (
+                first,
+                len(row.tokens),
+                row.start,
+                slots_of(row.blocks, 0, row.start + len(row.tokens), self.block_size),
+            )
             for row, first in zip(rows[decode:], flat.firsts[decode:], strict=True)
-        ]  # fmt: skip
+        ]
         widest = max((len(t) for t in tables), default=0)
         table = np.zeros((len(tables), widest), dtype=np.int32)
         for i, t in enumerate(tables):
             table[i, : len(t)] = t
-        parts: list[Any] = [flat.ids, flat.positions, flat.writes, lengths, table.ravel(),
-                            *(c[3] for c in chunks)]  # fmt: skip
+        parts: list[Any] = [
+            flat.ids,
+            flat.positions,
+            flat.writes,
+            lengths,
+            table.ravel(),
+            *(c[3] for c in chunks),
+        ]
         sizes = [len(p) for p in parts]
         staged = self._stage(np.concatenate([np.asarray(p, dtype=np.int32) for p in parts]))
         views = list(staged.split(sizes))
-        prefills = [(first, count, start, views[5 + i])
-                    for i, (first, count, start, _) in enumerate(chunks)]  # fmt: skip
-        return _Step(views[0], views[1], views[2], decode, views[4].view(len(tables), widest),
-                     views[3], prefills, flat.logit_rows)  # fmt: skip
+        prefills = [
+            (first, count, start, views[5 + i]) for i, (first, count, start, _) in enumerate(chunks)
+        ]
+        return _Step(
+            views[0],
+            views[1],
+            views[2],
+            decode,
+            views[4].view(len(tables), widest),
+            views[3],
+            prefills,
+            flat.logit_rows,
+        )
 
     # -- decode graphs ---------------------------------------------------------------------------
     def _capture_graphs(self) -> None:
@@ -319,9 +373,16 @@ class CudaRunner:
 
         def attend(index: int, qkv: torch.Tensor, out: torch.Tensor) -> None:
             triton_ops.paged_decode_attention(
-                qkv, self._pools[index], tables, lengths, out, self.heads, self.kv_heads,
-                self.block_size, self.scale,
-            )  # fmt: skip
+                qkv,
+                self._pools[index],
+                tables,
+                lengths,
+                out,
+                self.heads,
+                self.kv_heads,
+                self.block_size,
+                self.scale,
+            )
 
         return F.linear(self._layer_stack(hidden, positions, slots, attend), self._head).float()
 

@@ -26,11 +26,23 @@ import triton.language as tl
 
 @triton.jit
 def _gptq_matmul_kernel(
-    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, out_ptr,
-    M, N, K, stride_xm, stride_om, group_size,
-    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    group_size,
+    BITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
-):  # fmt: skip
+):
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
@@ -44,8 +56,9 @@ def _gptq_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
         a = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None], other=0.0)
-        words = tl.load(qweight_ptr + (k // PER)[:, None] * N + rn[None, :], mask=n_ok[None, :],
-                        other=0)  # fmt: skip
+        words = tl.load(
+            qweight_ptr + (k // PER)[:, None] * N + rn[None, :], mask=n_ok[None, :], other=0
+        )
         codes = (words >> ((k % PER) * BITS)[:, None]) & MASK  # [BLOCK_K, BLOCK_N]
         g = k0 // group_size  # BLOCK_K divides the group size: one group per step
         scale = tl.load(scales_ptr + g * N + rn, mask=n_ok, other=0.0).to(tl.float32)
@@ -55,8 +68,11 @@ def _gptq_matmul_kernel(
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + rm[:, None] * stride_om + rn[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 def gptq_block_k(group_size: int, in_features: int) -> int:
@@ -84,20 +100,47 @@ def gptq_matmul(
     block_k = min(gptq_block_k(group_size, k), 64 if block_m <= 16 else 32)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _gptq_matmul_kernel[grid](
-        x, qweight, scales, zeros, out, m, n, k, x.stride(0), out.stride(0), group_size,
-        BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, num_warps=warps,
-    )  # fmt: skip
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        group_size,
+        BITS=bits,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32,
+        num_warps=warps,
+    )
     return out
 
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, stride_q, pool_ptr, stride_head, tables_ptr, stride_table, lengths_ptr, out_ptr,
-    stride_out, scale, KV_HEADS,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, IEEE: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    stride_q,
+    pool_ptr,
+    stride_head,
+    tables_ptr,
+    stride_table,
+    lengths_ptr,
+    out_ptr,
+    stride_out,
+    scale,
+    KV_HEADS,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     length = tl.load(lengths_ptr + row)
@@ -105,8 +148,9 @@ def _paged_decode_kernel(
     heads = kv_head * GROUP + lanes
     head_ok = lanes < GROUP
     d = tl.arange(0, DIM)
-    q = tl.load(q_ptr + row * stride_q + heads[:, None] * DIM + d[None, :],
-                mask=head_ok[:, None], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr + row * stride_q + heads[:, None] * DIM + d[None, :], mask=head_ok[:, None], other=0.0
+    )
     m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
     acc = tl.zeros((GROUP_PAD, DIM), dtype=tl.float32)
@@ -135,8 +179,11 @@ def _paged_decode_kernel(
         m_i = m_new
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # a padding row (length 0) attends to nothing: zeros
     out = acc / l_i[:, None]
-    tl.store(out_ptr + row * stride_out + heads[:, None] * DIM + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])  # fmt: skip
+    tl.store(
+        out_ptr + row * stride_out + heads[:, None] * DIM + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None],
+    )
 
 
 def paged_decode_attention(
@@ -153,18 +200,43 @@ def paged_decode_attention(
     rows, dim = tables.shape[0], pool.shape[2]
     group = heads // kv_heads
     _paged_decode_kernel[(rows, kv_heads)](
-        qkv, qkv.stride(0), pool, pool.stride(0), tables, tables.stride(0), lengths, out,
-        out.stride(0), scale, kv_heads,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim,
-        BLOCK_SIZE=block_size, BLOCK_T=64, IEEE=pool.dtype == torch.float32, num_warps=4,
-    )  # fmt: skip
+        qkv,
+        qkv.stride(0),
+        pool,
+        pool.stride(0),
+        tables,
+        tables.stride(0),
+        lengths,
+        out,
+        out.stride(0),
+        scale,
+        kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        DIM=dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_T=64,
+        IEEE=pool.dtype == torch.float32,
+        num_warps=4,
+    )
 
 
 @triton.jit
 def _rope_write_kernel(
-    qkv_ptr, stride_qkv, cos_ptr, sin_ptr, positions_ptr, slots_ptr, pool_ptr, stride_head,
-    HEADS, KV_HEADS, DIM: tl.constexpr, HALF: tl.constexpr, F32: tl.constexpr,
-):  # fmt: skip
+    qkv_ptr,
+    stride_qkv,
+    cos_ptr,
+    sin_ptr,
+    positions_ptr,
+    slots_ptr,
+    pool_ptr,
+    stride_head,
+    HEADS,
+    KV_HEADS,
+    DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    F32: tl.constexpr,
+):
     n = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     base = qkv_ptr + n * stride_qkv + head * DIM
@@ -209,16 +281,34 @@ def rope_write(
 ) -> None:
     n, dim = qkv.shape[0], pool.shape[2]
     _rope_write_kernel[(n, heads + 2 * kv_heads)](
-        qkv, qkv.stride(0), cos, sin, positions, slots, pool, pool.stride(0), heads, kv_heads,
-        DIM=dim, HALF=dim // 2, F32=qkv.dtype == torch.float32, num_warps=1,
-    )  # fmt: skip
+        qkv,
+        qkv.stride(0),
+        cos,
+        sin,
+        positions,
+        slots,
+        pool,
+        pool.stride(0),
+        heads,
+        kv_heads,
+        DIM=dim,
+        HALF=dim // 2,
+        F32=qkv.dtype == torch.float32,
+        num_warps=1,
+    )
 
 
 @triton.jit
 def _add_rms_norm_kernel(
-    hidden_ptr, delta_ptr, weight_ptr, out_ptr, width, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    hidden_ptr,
+    delta_ptr,
+    weight_ptr,
+    out_ptr,
+    width,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     i = tl.arange(0, BLOCK)
     ok = i < width
@@ -243,9 +333,16 @@ def add_rms_norm(
     rows, width = hidden.shape
     block = triton.next_power_of_2(width)
     _add_rms_norm_kernel[(rows,)](
-        hidden, hidden if delta is None else delta, weight, out, width, eps,
-        HAS_DELTA=delta is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-    )  # fmt: skip
+        hidden,
+        hidden if delta is None else delta,
+        weight,
+        out,
+        width,
+        eps,
+        HAS_DELTA=delta is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
     return out
 
 

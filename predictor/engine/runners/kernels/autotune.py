@@ -107,7 +107,7 @@ def tune(
         "invariant": invariant,
         "groups": {
             key: _with_rowwise(group[0].candidates(), invariant) for key, group in groups.items()
-        },  # fmt: skip
+        },
         "head": [head_name, str(getattr(weight, "dtype", "")), sorted(heads)],
         "source": source_digest(),
     }
@@ -332,8 +332,11 @@ def log_choices(choices: Choices, threads: int) -> None:
     flags = " ".join(native.relevant_flags(frozenset(identity["flags"])))
     logger.info(
         "kernels for CPU %s, %d threads, torch %s; flags: %s",
-        identity["cpu"], threads, identity["torch"], flags,
-    )  # fmt: skip
+        identity["cpu"],
+        threads,
+        identity["torch"],
+        flags,
+    )
     for name, plan in choices.plans.items():
         spans = []
         for index, (rows, kernel) in enumerate(plan):

@@ -94,8 +94,9 @@ def write_cache(
     """Keeps `choices` for `identity` unless another server's were written first, and returns
     the choices kept: two servers that measured at once serve the same kernels."""
     data = {"identity": identity, "plans": choices.plans, "figures": choices.figures}
-    kept = _settled(cache_dir, cache_file, key, data,
-                    lambda: read_cache(cache_dir, key, identity), choices)  # fmt: skip
+    kept = _settled(
+        cache_dir, cache_file, key, data, lambda: read_cache(cache_dir, key, identity), choices
+    )
     return choices if kept.plans == choices.plans else kept
 
 
@@ -174,5 +175,11 @@ def write_lora_plan(
 ) -> list[tuple[int, str]]:
     """As write_cache: the plan kept, ours or the first server's."""
     data = {"identity": identity, "plan": plan}
-    return _settled(cache_dir, lora_file, cache_key(identity), data,
-                    lambda: read_lora_plan(cache_dir, identity), plan)  # fmt: skip
+    return _settled(
+        cache_dir,
+        lora_file,
+        cache_key(identity),
+        data,
+        lambda: read_lora_plan(cache_dir, identity),
+        plan,
+    )

@@ -38,8 +38,10 @@ def prepack(module: Any) -> PrepackedLinear | None:
         prepacked = internals.onednn_reorder(weight, 16)
         internals.onednn_linear(torch.ones((1, weight.shape[1]), dtype=weight.dtype), prepacked)
     except RuntimeError as error:  # this CPU cannot (no AVX-512): the Linear stays as it is
-        note_once(f"dense bf16 projections stay torch's Linear: oneDNN cannot prepack here "
-                  f"({type(error).__name__})")  # fmt: skip
+        note_once(
+            f"dense bf16 projections stay torch's Linear: oneDNN cannot prepack here "
+            f"({type(error).__name__})"
+        )
         return None
     bias = None if module.bias is None else module.bias.detach()
     return PrepackedLinear(prepacked, bias, weight.shape)

@@ -108,8 +108,9 @@ class _Int8Table:
             rows = x.shape[0]
             out = torch.empty((rows, n), dtype=torch.float32)
             threads = torch.get_num_threads()
-            if rows and matmul(x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(), n,
-                               threads, flag):  # fmt: skip
+            if rows and matmul(
+                x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(), n, threads, flag
+            ):
                 raise MemoryError("int8_matmul: no memory for its activation buffer")
             return out
 

@@ -96,8 +96,15 @@ def repack_codes(
     scales = scales_and_zeros[..., 0].to(torch.bfloat16).contiguous()  # [groups, n]
     zeros = scales_and_zeros[..., 1].to(torch.bfloat16).contiguous()
     out = torch.empty(native.Int4Kernel.packed_bytes(n, in_features, group_size), dtype=torch.uint8)
-    compiled.repack(codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, in_features,
-                    group_size, out.data_ptr())  # fmt: skip
+    compiled.repack(
+        codes.data_ptr(),
+        scales.data_ptr(),
+        zeros.data_ptr(),
+        n,
+        in_features,
+        group_size,
+        out.data_ptr(),
+    )
     return out
 
 
@@ -111,8 +118,9 @@ def gptq_codes(part: internals.AtenPacked, out: torch.Tensor | None = None) -> t
     compiled = load_helpers()
     if compiled is not None:
         qweight = part.qweight.contiguous()
-        compiled.unpack(qweight.data_ptr(), k, n, None if order is None else order.data_ptr(),
-                        codes.data_ptr())  # fmt: skip
+        compiled.unpack(
+            qweight.data_ptr(), k, n, None if order is None else order.data_ptr(), codes.data_ptr()
+        )
         return codes
     shifts = torch.arange(0, 32, 4, dtype=torch.int32).view(1, 8, 1)
     unpacked = ((part.qweight.unsqueeze(1) >> shifts) & 15).reshape(k, n).to(torch.uint8)
@@ -185,9 +193,16 @@ def dequantize_codes(
         # expand layers on a thread of its own while the step thread serves
         for low in range(0, n, DEQUANTIZE_ROWS):
             rows = min(DEQUANTIZE_ROWS, n - low)
-            compiled.dequantize(codes[low].data_ptr(), scales[:, low:].data_ptr(),
-                                zeros[:, low:].data_ptr(), rows, k, group_size, n,
-                                out[low].data_ptr())  # fmt: skip
+            compiled.dequantize(
+                codes[low].data_ptr(),
+                scales[:, low:].data_ptr(),
+                zeros[:, low:].data_ptr(),
+                rows,
+                k,
+                group_size,
+                n,
+                out[low].data_ptr(),
+            )
         return out
     scales = scales_and_zeros[..., 0].float().t().unsqueeze(-1)  # [N, groups, 1]
     zeros = scales_and_zeros[..., 1].float().t().unsqueeze(-1)

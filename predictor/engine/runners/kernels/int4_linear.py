@@ -80,10 +80,12 @@ class Int4Linear(torch.nn.Module):
         biases = [p.bias for p in parts]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([
-                torch.zeros(p.out_features) if b is None else b.detach().float()
-                for p, b in zip(parts, biases, strict=True)
-            ]).to(torch.bfloat16)  # fmt: skip
+            bias = torch.cat(
+                [
+                    torch.zeros(p.out_features) if b is None else b.detach().float()
+                    for p, b in zip(parts, biases, strict=True)
+                ]
+            ).to(torch.bfloat16)
         self.register_buffer("bias", bias)
         # act-order: TorchAtenLinear stored the rows group by group (ExLlama's reordering, once
         # at load), so the input is gathered into that order: one gather for q, k and v, which
@@ -268,8 +270,9 @@ class Int4Linear(torch.nn.Module):
             rows = x.shape[0]
             out = torch.empty((rows, n), dtype=torch.bfloat16)
             threads = torch.get_num_threads()
-            if rows and matmul(x.data_ptr(), rows, k, weight.data_ptr(), n, group,
-                               out.data_ptr(), n, threads, int8):  # fmt: skip
+            if rows and matmul(
+                x.data_ptr(), rows, k, weight.data_ptr(), n, group, out.data_ptr(), n, threads, int8
+            ):
                 raise MemoryError("int4_matmul: no memory for its activation buffer")
             return out
 
@@ -303,8 +306,10 @@ def reorder(weight: torch.Tensor) -> torch.Tensor | None:
         internals.onednn_linear(probe, prepacked)
         return prepacked
     except RuntimeError as error:  # this CPU cannot (no AVX-512): the caller keeps its matmul
-        note_once(f"oneDNN's prepacked bf16 linear is unavailable here ({type(error).__name__}): "
-                  "it is not a candidate")  # fmt: skip
+        note_once(
+            f"oneDNN's prepacked bf16 linear is unavailable here ({type(error).__name__}): "
+            "it is not a candidate"
+        )
         return None
 
 

@@ -77,11 +77,13 @@ def _described(plan: list[tuple[int, str]]) -> str:
 def _measure(weights: LoraWeights, modes: list[str], invariant: bool) -> list[tuple[int, str]]:
     generator = torch.Generator().manual_seed(0)
     factors: Factors = {
-        (layer, module): (torch.randn(LORA_RANK, features_in, generator=generator) * 0.02,
-                          torch.randn(features_out, LORA_RANK, generator=generator) * 0.02)
+        (layer, module): (
+            torch.randn(LORA_RANK, features_in, generator=generator) * 0.02,
+            torch.randn(features_out, LORA_RANK, generator=generator) * 0.02,
+        )
         for layer in range(weights.layers)
         for module, (features_in, features_out) in weights.shapes.items()
-    }  # fmt: skip
+    }
     probe = LoraWeights(weights.shapes, weights.layers, weights.device)
     probe.kernel = weights.kernel
     figures: dict[int, dict[str, float]] = {rows: {} for rows in BUCKETS}
@@ -156,8 +158,10 @@ def _row_invariant(weights: LoraWeights, mode: str, generator: torch.Generator) 
         width = sum(weights.shapes[m][1] for m in present)
         x = (torch.randn(13, weights.shapes[present[0]][0], generator=generator) * 2).bfloat16()
         out = (torch.randn(13, width, generator=generator)).bfloat16()
-        alone = [weights.apply(0, group, x[i : i + 1], out[i : i + 1].clone(),
-                               _step(weights, 1)) for i in range(13)]  # fmt: skip
+        alone = [
+            weights.apply(0, group, x[i : i + 1], out[i : i + 1].clone(), _step(weights, 1))
+            for i in range(13)
+        ]
         for rows in (2, 3, 4, 5, 9, 13):
             together = weights.apply(0, group, x[:rows], out[:rows].clone(), _step(weights, rows))
             if not all(torch.equal(together[i], alone[i][0]) for i in range(rows)):

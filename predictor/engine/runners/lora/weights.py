@@ -42,8 +42,10 @@ def projection_shapes(layer: Any) -> dict[str, tuple[int, int]]:
     """A decoder layer's separate projections (the modules an adapter may target): their
     (in, out) features."""
     shapes = {}
-    for owner, names in ((layer.self_attn, GROUPS["qkv"] + GROUPS["o"]),
-                         (layer.mlp, GROUPS["gate_up"] + GROUPS["down"])):  # fmt: skip
+    for owner, names in (
+        (layer.self_attn, GROUPS["qkv"] + GROUPS["o"]),
+        (layer.mlp, GROUPS["gate_up"] + GROUPS["down"]),
+    ):
         for name in names:
             module = getattr(owner, name, None)
             if module is not None:
@@ -112,8 +114,14 @@ def _vnni(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     layers, columns, n = q.shape
     laid = q.reshape(layers, columns, n // 4, 4).transpose(1, 2).contiguous()
     colsum = q.sum(2, dtype=torch.int32)
-    return torch.cat([laid.view(torch.uint8).flatten(1), colsum.view(torch.uint8),
-                      scale.float().contiguous().view(torch.uint8)], 1)  # fmt: skip
+    return torch.cat(
+        [
+            laid.view(torch.uint8).flatten(1),
+            colsum.view(torch.uint8),
+            scale.float().contiguous().view(torch.uint8),
+        ],
+        1,
+    )
 
 
 def int8_layouts(factors: Factors, scale: float, device: torch.device) -> Layouts:
@@ -319,8 +327,9 @@ class LoraWeights:
                     values += [mode, *(first + t * width for t in range(5)), MODULES, features_in]
         memory = torch.tensor(values, dtype=torch.int64)
         base = memory.data_ptr()
-        at = torch.tensor([offset + 1 + t for offset in calls_at.values() for t in range(5)],
-                          dtype=torch.int64)  # fmt: skip
+        at = torch.tensor(
+            [offset + 1 + t for offset in calls_at.values() for t in range(5)], dtype=torch.int64
+        )
         memory[at] = base + 8 * memory[at]
         calls: dict[int, dict[tuple[int, str], int]] = {}
         for (mode, layer, group), offset in calls_at.items():
@@ -349,8 +358,13 @@ class LoraWeights:
                 rank = 0
                 if b_t is not None and module:  # the padded rank: its share of the A^T
                     rank = -(-self._factors[slot][0][(layer, module)][0].shape[0] // 16) * 16
-                entry = (a_t.data_ptr() if a_t is not None and m == 0 else 0,
-                         b_t.data_ptr() if b_t is not None else 0, rank, column, width)  # fmt: skip
+                entry = (
+                    a_t.data_ptr() if a_t is not None and m == 0 else 0,
+                    b_t.data_ptr() if b_t is not None else 0,
+                    rank,
+                    column,
+                    width,
+                )
                 for table, value in zip(tables, entry, strict=True):
                     table.append(value)
                 column += width
@@ -365,8 +379,15 @@ class LoraWeights:
         order = torch.argsort(which, stable=True)
         args = torch.tensor([len(slots), which.data_ptr(), order.data_ptr()])
         mode = next(mode for rows, mode in reversed(self._plan) if len(slots) >= rows)
-        return Step(group_tokens(slots, self.device), which, order, tables, args,
-                    args.data_ptr(), tables.calls.get(mode, {}))  # fmt: skip
+        return Step(
+            group_tokens(slots, self.device),
+            which,
+            order,
+            tables,
+            args,
+            args.data_ptr(),
+            tables.calls.get(mode, {}),
+        )
 
     def apply(
         self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor, step: Step

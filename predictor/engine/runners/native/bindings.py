@@ -182,10 +182,21 @@ class DecodeAttention:
         threads: int,
     ) -> None:
         self.kernel(
-            qkv.data_ptr(), qkv.stride(0), pool.data_ptr(), pool.shape[1], tables.data_ptr(),
-            tables.shape[1], lengths.data_ptr(), counts.data_ptr(), rows, pool.shape[0] // 2, scale,
-            out.data_ptr(), scratch.data_ptr(), threads,
-        )  # fmt: skip
+            qkv.data_ptr(),
+            qkv.stride(0),
+            pool.data_ptr(),
+            pool.shape[1],
+            tables.data_ptr(),
+            tables.shape[1],
+            lengths.data_ptr(),
+            counts.data_ptr(),
+            rows,
+            pool.shape[0] // 2,
+            scale,
+            out.data_ptr(),
+            scratch.data_ptr(),
+            threads,
+        )
 
 
 @functools.lru_cache(maxsize=8)
@@ -194,8 +205,12 @@ def decode_attention(
 ) -> DecodeAttention:
     """The compiled kernel for these shapes (kept in `cache_dir`, the library cache, where
     given); NativeUnavailable (with the compiler's words) if it cannot be built here."""
-    defines = [f"-DDIM={head_dim}", f"-DGROUP={group}", f"-DBLOCK={block_size}",
-               f"-DQUERIES={ATTENTION_QUERIES}"]  # fmt: skip
+    defines = [
+        f"-DDIM={head_dim}",
+        f"-DGROUP={group}",
+        f"-DBLOCK={block_size}",
+        f"-DQUERIES={ATTENTION_QUERIES}",
+    ]
     lib = _build(defines, variants=THREADED, cache_dir=cache_dir)
     kernel = DecodeAttention(_bind(lib, "decode_attention_bf16"))
     logger.info("native decode attention ready (head_dim %d, group %d)", head_dim, group)
@@ -357,13 +372,16 @@ def build_in_background(
         builds += [(build, (isas[0], cache_dir)) for build in MATMULS.values()]
     if attention is not None:
         head_dim, group, block_size = attention
-        builds += [(layer_ops, (head_dim, cache_dir)),
-                   (decode_attention, (head_dim, group, block_size, cache_dir))]  # fmt: skip
+        builds += [
+            (layer_ops, (head_dim, cache_dir)),
+            (decode_attention, (head_dim, group, block_size, cache_dir)),
+        ]
     threads = [
-        threading.Thread(target=_build_quietly, args=(build, args),
-                         name=f"build-{build.__name__}", daemon=True)
+        threading.Thread(
+            target=_build_quietly, args=(build, args), name=f"build-{build.__name__}", daemon=True
+        )
         for build, args in builds
-    ]  # fmt: skip
+    ]
     for thread in threads:
         thread.start()
     return threads

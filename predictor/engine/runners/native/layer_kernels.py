@@ -38,8 +38,16 @@ class LayerKernels:
         out = torch.empty_like(hidden)
         pointer = None if delta is None else delta.contiguous().data_ptr()
         rows, dim = hidden.shape
-        self._ops.add_rms_norm(hidden.data_ptr(), pointer, weight.data_ptr(), eps,
-                               out.data_ptr(), rows, dim, torch.get_num_threads())  # fmt: skip
+        self._ops.add_rms_norm(
+            hidden.data_ptr(),
+            pointer,
+            weight.data_ptr(),
+            eps,
+            out.data_ptr(),
+            rows,
+            dim,
+            torch.get_num_threads(),
+        )
         return out
 
     def rope_write(
@@ -52,9 +60,18 @@ class LayerKernels:
         pool: torch.Tensor,  # [2 kv_heads, slots, head_dim]
         slots: torch.Tensor,  # [N] int64
     ) -> None:
-        self._ops.rope_write(qkv.data_ptr(), qkv.shape[0], heads, kv_heads, cos.data_ptr(),
-                             sin.data_ptr(), pool.data_ptr(), pool.shape[1],
-                             slots.data_ptr(), torch.get_num_threads())  # fmt: skip
+        self._ops.rope_write(
+            qkv.data_ptr(),
+            qkv.shape[0],
+            heads,
+            kv_heads,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            pool.data_ptr(),
+            pool.shape[1],
+            slots.data_ptr(),
+            torch.get_num_threads(),
+        )
 
     def lora_add(
         self,
@@ -75,8 +92,9 @@ class LayerKernels:
         """silu(gate) * up of gate_up [N, 2 inner] (gate first): [N, inner]."""
         rows, inner = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((rows, inner), dtype=gate_up.dtype)
-        self._ops.silu_mul(gate_up.contiguous().data_ptr(), rows, inner, out.data_ptr(),
-                           torch.get_num_threads())  # fmt: skip
+        self._ops.silu_mul(
+            gate_up.contiguous().data_ptr(), rows, inner, out.data_ptr(), torch.get_num_threads()
+        )
         return out
 
 
