@@ -1,4 +1,3 @@
-import os
 import socket
 from dataclasses import fields, replace
 from pathlib import Path
@@ -21,7 +20,6 @@ from predictor.config import (
     SpeculationSettings,
     TelemetrySettings,
     build_parser,
-    usable_cpus,
 )
 from predictor.config import model as model_module
 from predictor.model.layout import served_name
@@ -150,29 +148,9 @@ def test_the_default_thread_count_leaves_one_core_to_serving(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     for cpus, threads in ((1, 1), (2, 1), (16, 15)):
-        monkeypatch.setattr(model_module, "usable_cpus", lambda n=cpus: n)
+        monkeypatch.setattr(model_module, "container_cpus", lambda n=cpus: n)
         assert Settings().model.torch_threads == threads
     assert Settings(ModelSettings(threads=2)).model.torch_threads == 2
-
-
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="affinity: Linux")
-def test_usable_cpus_are_the_affinity_capped_by_the_cgroup_quota(tmp_path: Path) -> None:
-    """A container's CPU limit, not the node's cores: a pod limited to 2 CPUs on a 64-core
-    node that ran 63 compute threads would be throttled every period."""
-    affinity = len(os.sched_getaffinity(0))
-    assert usable_cpus(tmp_path) == affinity  # no cgroup files: the affinity
-    (tmp_path / "cpu.max").write_text("max 100000\n")
-    assert usable_cpus(tmp_path) == affinity
-    (tmp_path / "cpu.max").write_text("150000 100000\n")  # 1.5 CPUs: rounded up
-    assert usable_cpus(tmp_path) == min(affinity, 2)
-    (tmp_path / "cpu.max").unlink()
-    v1 = tmp_path / "cpu"
-    v1.mkdir()
-    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
-    (v1 / "cpu.cfs_period_us").write_text("100000\n")
-    assert usable_cpus(tmp_path) == 1
-    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
-    assert usable_cpus(tmp_path) == affinity
 
 
 @pytest.mark.parametrize(

@@ -29,7 +29,7 @@ from predictor.config.flags import (
     SPECULATIVE,
     TOOL_CALL_PARSERS,
 )
-from predictor.config.model import DEFAULT_MODEL_DIR, SERVING_CORES, ModelSettings, usable_cpus
+from predictor.config.model import DEFAULT_MODEL_DIR, SERVING_CORES, ModelSettings
 from predictor.config.serving import LimitsSettings, ServerSettings, TelemetrySettings
 from predictor.config.settings import GROUPS, OTEL_ENV, Settings, build_parser
 
@@ -61,5 +61,4 @@ __all__ = [
     "SpeculationSettings",
     "TelemetrySettings",
     "build_parser",
-    "usable_cpus",
 ]

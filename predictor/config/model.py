@@ -3,9 +3,6 @@ kernels, attention, its chat formats, sleep while idle)."""
 
 from __future__ import annotations
 
-import contextlib
-import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,27 +14,10 @@ from predictor.config.flags import (
     TOOL_CALL_PARSERS,
     option,
 )
+from predictor.cpus import container_cpus
 
 DEFAULT_MODEL_DIR = Path("models/smollm2-135m-instruct-gptq")
 SERVING_CORES = 1  # cores the default thread count leaves to serving (ModelSettings.torch_threads)
-
-
-def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
-    """The CPUs this process may use: its affinity, capped by its cgroup's CPU quota (v2
-    `cpu.max`, v1 `cpu.cfs_quota_us`; a container's limit), rounded up."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quotas = (
-        (cgroup / "cpu.max", None),
-        (cgroup / "cpu" / "cpu.cfs_quota_us", "cpu.cfs_period_us"),
-    )
-    for path, period_name in quotas:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            words = path.read_text().split()
-            period = path.with_name(period_name).read_text() if period_name else words[1]
-            if words[0] not in ("max", "-1"):
-                cpus = min(cpus or 1, math.ceil(int(words[0]) / int(period)))
-            break
-    return max(1, cpus or 1)
 
 
 @dataclass(frozen=True)
@@ -155,14 +135,14 @@ class ModelSettings:
 
     @property
     def torch_threads(self) -> int:
-        """--threads, or the CPUs this process may use (`usable_cpus`: a container's CPU limit,
+        """--threads, or the CPUs this process may use (`container_cpus`: a container's CPU limit,
         not the node's cores) less SERVING_CORES, at least one: the event loop, HTTP and gRPC
         need a core of their own, as vLLM-CPU reserves one. On 2 cores, 2 compute threads gave
         fewer tokens/s than 1, at one request and at many (load/bench_threads.py,
         load/RESULTS.md)."""
         if self.threads > 0:
             return self.threads
-        return max(1, usable_cpus() - SERVING_CORES)
+        return max(1, container_cpus() - SERVING_CORES)
 
     def check(self) -> None:
         if self.runner not in ("model", "null"):

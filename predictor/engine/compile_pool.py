@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Generic, TypeVar
 
-from predictor.config import usable_cpus
+from predictor.cpus import container_cpus
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ DEMOTED_NICENESS = 19  # a job past its quantum while others wait: the lowest pr
 
 def default_threads() -> int:
     """Every usable CPU but one, which is left to decoding (at least one)."""
-    return max(1, usable_cpus() - 1)
+    return max(1, container_cpus() - 1)
 
 
 def set_niceness(niceness: int, thread_id: int | None = None) -> None:

@@ -33,7 +33,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from predictor.config import usable_cpus
+from predictor.cpus import container_cpus
 from predictor.model import phases as phases_
 from predictor.model.builds import (
     QUALITY_FILE,
@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="auto",
         help="dtype of the calibration forwards (auto: bf16 where it is clearly faster than fp32)",
     )
-    parser.add_argument("--threads", type=int, default=usable_cpus())
+    parser.add_argument("--threads", type=int, default=container_cpus())
     parser.add_argument("--hf-home", type=Path, default=Path.home() / ".cache" / "huggingface")
     args = parser.parse_args(argv)
     if args.accept_rejected is not None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from predictor.config import usable_cpus
+from predictor.cpus import container_cpus
 from predictor.engine.compile_pool import (
     DEMOTED_NICENESS,
     CompilePool,
@@ -127,4 +127,4 @@ def test_the_errors_of_a_job_are_its_callers(pools: Callable[..., CompilePool]) 
 
 
 def test_compiles_leave_one_usable_cpu_to_decoding() -> None:
-    assert default_threads() == max(1, usable_cpus() - 1)
+    assert default_threads() == max(1, container_cpus() - 1)
