@@ -305,13 +305,12 @@ class Scheduler:
             )
             budget -= len(tokens)
         schedule.verify_rows = len(verifying)
-        for request in prefilling:
-            if budget <= 0 and schedule.rows:
-                break
+        # a step with no row yet feeds at least one prompt token (progress)
+        least = budget if schedule.rows else max(budget, 1)
+        for request, size in prefill_chunks(prefilling, least):
             total = request.total_tokens
-            end = min(total, request.cached + max(budget, 1))
+            end = request.cached + size
             chunk = request.tokens(request.cached, end)
-            budget -= len(chunk)
             sample_next = end == total and not request.echo_only
             schedule.requests.append(request)
             schedule.rows.append(
@@ -418,3 +417,29 @@ class Scheduler:
     def free(self, request: Request) -> None:
         self.allocator.free(request.blocks)
         request.blocks = []
+
+
+def prefill_chunks(prefilling: list[Request], budget: int) -> list[tuple[Request, int]]:
+    """How many prompt tokens each prefilling row feeds this step, within `budget`, in the
+    order they go: the prompts with the fewest tokens left first (shortest remaining first:
+    a new request's short prompt is not held behind the chunks of a long one that came
+    earlier, so its first token comes in the next step, as vLLM's long-prefill threshold and
+    llama.cpp's per-slot batches allow), while the longest-waiting row (`prefilling[0]`, first
+    admitted) keeps a quarter of the budget each step, so a long prompt always finishes under
+    a stream of short ones. A row's tokens do not depend on how its prompt is chunked
+    (docs/engine.md, "Determinism"), so the order changes no token."""
+    left = {id(r): r.total_tokens - r.cached for r in prefilling}
+    granted: dict[int, int] = {}
+    if len(prefilling) > 1 and budget > 0:
+        oldest = prefilling[0]
+        granted[id(oldest)] = min(left[id(oldest)], max(1, budget // 4))
+        budget -= granted[id(oldest)]
+    # stable: ties in admission order; the oldest's reserve counted as fed
+    shortest_first = sorted(prefilling, key=lambda r: left[id(r)] - granted.get(id(r), 0))
+    for request in shortest_first:
+        if budget <= 0:
+            break
+        more = min(left[id(request)] - granted.get(id(request), 0), budget)
+        granted[id(request)] = granted.get(id(request), 0) + more
+        budget -= more
+    return [(r, granted[id(r)]) for r in shortest_first if granted.get(id(r), 0) > 0]
