@@ -51,7 +51,7 @@ from pathlib import Path
 
 import httpx
 
-from load import peer_shapes
+from load import alternated, peer_shapes
 from load.bench_serving import PROMPTS, Api, hit_rate, level, one_stream, shared_prefix
 from load.local_server import REPO, free_port, local_server, wait_ready
 from load.random_gptq import SHAPES
@@ -357,16 +357,25 @@ def run_vllm(args: argparse.Namespace) -> Measured:
         return asyncio.run(measure(server.base_url, args.model_name, pid, args, VLLM))
 
 
+def ours_flags(args: argparse.Namespace, threads: int, caching: bool = True) -> list[str]:
+    """Our server's flags: `threads` compute threads, the peers' batch and, at a shape, KV
+    cache; with `--speculative-off`, no drafts (the raw engine)."""
+    extra = ["--threads", str(threads), "--max-batch-size", str(args.max_seqs),
+             "--max-tokens-limit", str(max(512, args.max_tokens)),
+             *([] if caching else ["--prefix-caching", "false"])]  # fmt: skip
+    if args.shape:  # the KV cache llama-server gets: the same tokens on both sides
+        extra += ["--max-cache-tokens", str(args.llama_ctx)]
+    if getattr(args, "speculative_off", False):
+        extra += ["--speculative", "off"]
+    return extra
+
+
 def run_ours(
     args: argparse.Namespace, name: str = OURS, tree: Path = REPO, caching: bool = True
 ) -> Measured:
     log_file = args.log_dir / f"bench-peers-{name}.log"
     print(f"[bench-peers] starting {name} ({tree}) on {args.gptq_dir} (log {log_file})", flush=True)
-    extra = ["--threads", str(args.threads), "--max-batch-size", str(args.max_seqs),
-             "--max-tokens-limit", str(max(512, args.max_tokens)),
-             *([] if caching else ["--prefix-caching", "false"])]  # fmt: skip
-    if args.shape:  # the KV cache llama-server gets: the same tokens on both sides
-        extra += ["--max-cache-tokens", str(args.llama_ctx)]
+    extra = ours_flags(args, args.threads, caching)
     with local_server(
         str(args.gptq_dir.absolute()), args.model_name, log_file, extra, args.ready_timeout, tree
     ) as server:
@@ -474,6 +483,144 @@ def llama_bench(binary: str, threads: int, gguf: Path | None = None) -> float:
         return float(json.loads(done.stdout)[0]["avg_ts"])
     except (OSError, subprocess.SubprocessError, ValueError, LookupError):
         return 0.0
+
+
+# -- in turns: threads, first token under load ------------------------------------------------
+
+THREADS_SECTION = "## Threads side by side"
+TTFT_SECTION = "## First token under load side by side"
+
+
+def _start_ours(
+    stack: contextlib.ExitStack, args: argparse.Namespace, name: str, threads: int, tree: Path
+) -> str:
+    log_file = args.log_dir / f"bench-peers-{name.replace(' ', '-').replace('=', '')}.log"
+    print(f"[bench-peers] starting {name} ({tree}) on {args.gptq_dir} (log {log_file})", flush=True)
+    server = stack.enter_context(local_server(
+        str(args.gptq_dir.absolute()), args.model_name, log_file, ours_flags(args, threads),
+        args.ready_timeout, tree,
+    ))  # fmt: skip
+    return server.base_url
+
+
+def _start_llama(
+    stack: contextlib.ExitStack, args: argparse.Namespace, name: str, gguf: Path, threads: int,
+    slots: int,
+) -> str:  # fmt: skip
+    log_file = args.log_dir / f"bench-peers-{name.replace(' ', '-').replace('=', '')}.log"
+    print(f"[bench-peers] starting {name} on {gguf} (log {log_file})", flush=True)
+    server = stack.enter_context(llama_server(
+        args.llama_server, gguf, args.model_name, threads, slots, log_file, args.llama_ctx,
+        args.ready_timeout,
+    ))  # fmt: skip
+    return server.base_url
+
+
+def peer_gguf(args: argparse.Namespace) -> Path:
+    """llama.cpp's model: the shape's Q4_0 (and ours its GPTQ twin), else the default model's
+    GGUF."""
+    if args.shape:
+        models = peer_shapes.build(args.shape, args.llama_dir)
+        args.gptq_dir = models.gptq
+        return models.ggufs["Q4_0"]
+    return gguf_file()
+
+
+def run_threads(args: argparse.Namespace) -> str:
+    """Ours and llama.cpp (and `today`, --baseline-tree; --servers picks) at each of
+    --thread-counts, C=1, every server up at once and measured in turns; the section with each
+    side's paired T_high / T_low."""
+    gguf = peer_gguf(args)
+    sides = [side for side in (LLAMA, TODAY, OURS) if side in args.servers]
+    urls: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        for t in args.thread_counts:
+            for side in sides:
+                name = f"{side} T={t}"
+                if side == LLAMA:
+                    urls[name] = _start_llama(stack, args, name, gguf, t, 1)
+                else:
+                    tree = args.baseline_tree.resolve() if side == TODAY else REPO
+                    urls[name] = _start_ours(stack, args, name, t, tree)
+        turns = asyncio.run(alternated.take_turns(
+            urls, args.model_name, 1, args.rounds, args.min_requests, args.max_tokens,
+            args.request_timeout,
+        ))  # fmt: skip
+    spec = "off (`--speculative off`)" if args.speculative_off else "on (the default)"
+    lines = [
+        THREADS_SECTION, "",
+        *_in_turns_preamble(args, gguf),
+        *alternated.wrap(
+            f"C=1, {args.min_requests} requests of {args.max_tokens} new tokens a pass; our "
+            f"speculation {spec}; `--threads T` for ours, `-t T -tb T -np 1 -c {args.llama_ctx}` "
+            f"for llama-server."
+        ),
+        "", *alternated.threads_table(turns, sides, args.thread_counts),
+    ]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run_ttft(args: argparse.Namespace) -> str:
+    """llama.cpp (as many slots as C), ours and `today` (--baseline-tree) at each C, up at once
+    per C and measured in turns, every prompt unique (no prefix-cache hit)."""
+    gguf = peer_gguf(args)
+    levels = []
+    arrivals: dict[str, list[dict]] = {}
+    names = [LLAMA, *([TODAY] if args.baseline_tree else []), OURS]
+    for c in args.concurrency:
+        urls: dict[str, str] = {}
+        with contextlib.ExitStack() as stack:
+            urls[LLAMA] = _start_llama(stack, args, LLAMA, gguf, args.threads, c)
+            if args.baseline_tree:
+                urls[TODAY] = _start_ours(stack, args, TODAY, args.threads,
+                                          args.baseline_tree.resolve())  # fmt: skip
+            urls[OURS] = _start_ours(stack, args, OURS, args.threads, REPO)
+            levels.append(asyncio.run(alternated.take_turns(
+                urls, args.model_name, c, args.rounds, max(c, args.min_requests), args.max_tokens,
+                args.request_timeout, unique=True,
+            )))  # fmt: skip
+            if c == max(args.concurrency) and args.running + args.arrivals <= c:
+                arrivals = asyncio.run(alternated.arrivals_turns(
+                    urls, args.model_name, args.rounds, args.running, args.arrivals,
+                    args.arrival_spacing, 2 * args.max_tokens, args.request_timeout,
+                ))  # fmt: skip
+    spec = "off (`--speculative off`)" if args.speculative_off else "on (the default)"
+    lines = [
+        TTFT_SECTION, "",
+        *_in_turns_preamble(args, gguf),
+        *alternated.wrap(
+            f"A pass sends C requests at once (at least {args.min_requests} in all), each with a "
+            f"system message of its own (no prefix-cache hit), {args.max_tokens} new tokens; "
+            f"{args.threads} compute thread(s); our speculation {spec}; llama-server with `-t "
+            f"{args.threads} -tb {args.threads} -np C -c {args.llama_ctx} -kvu -cb`"
+            + (f"; today: `{args.baseline_tree}`." if args.baseline_tree else ".")
+        ),
+        "", *alternated.ttft_table(levels, names, LLAMA),
+    ]  # fmt: skip
+    if arrivals:
+        lines += ["", *alternated.wrap(
+            f"Running streams while new requests arrive: {args.running} streams of "
+            f"{2 * args.max_tokens} tokens; once they decode, {args.arrivals} requests of 4 "
+            f"tokens, one every {args.arrival_spacing} s. A gap between two tokens of a running "
+            "stream counts as 'prefilling' when it overlaps a request's wait for its first token, "
+            f"else 'quiet'; medians of {args.rounds} rounds."
+        ), "", *alternated.arrivals_table(arrivals)]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _in_turns_preamble(args: argparse.Namespace, gguf: Path) -> list[str]:
+    load = "/".join(f"{x:.1f}" for x in args.load_average)
+    shown = gguf.name if gguf.is_absolute() else gguf  # the default's is in the virtualenv
+    return [
+        *alternated.wrap(
+            f"`python -m load.bench_peers --workload {args.workload}`, "
+            f"{args.started:%Y-%m-%d %H:%M} UTC, {args.cpus} CPUs shared "
+            f"with other work (load average {load} at the start, 1/5/15 min); every server up at "
+            f"once, each measured in turns ({args.rounds} rounds, the order reversed each round; "
+            f"load/alternated.py). Ours on `{args.gptq_dir}`, llama.cpp on `{shown}`."
+        ),
+        "", *alternated.wrap(cpu_line()), "",
+    ]  # fmt: skip
 
 
 # -- the fp checkpoint -----------------------------------------------------------------------
@@ -721,7 +868,17 @@ def replace_section(text: str, heading: str, section: str) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", default=".venv-vllm/bin/python")
-    parser.add_argument("--workload", choices=["standard", "shared-prefix"], default="standard")
+    parser.add_argument(
+        "--workload", choices=["standard", "shared-prefix", "threads", "ttft"], default="standard",
+        help="threads: ours and llama.cpp at each --thread-counts, C=1, in turns; ttft: first "
+        "token at each C against llama.cpp, in turns",
+    )  # fmt: skip
+    parser.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--running", type=int, default=8, help="ttft: streams arrivals meet")
+    parser.add_argument("--arrivals", type=int, default=8, help="ttft: requests arriving")
+    parser.add_argument("--arrival-spacing", type=float, default=0.4, help="ttft: seconds")
+    parser.add_argument("--speculative-off", action="store_true",
+                        help="ours with --speculative off (the raw engine)")  # fmt: skip
     parser.add_argument(
         "--unique", action="store_true",
         help="standard: a unique system message per request, so no prompt hits the prefix cache",
@@ -772,7 +929,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     shared = args.workload == "shared-prefix"
     if args.shape and shared:
-        parser.error("--shape measures the standard workload")
+        parser.error("--shape measures the standard or in-turns workloads")
     if args.llama_ctx is None:
         args.llama_ctx = 4096 if args.shape else 32768
     if args.servers is None:
@@ -781,6 +938,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.servers = [LLAMA, OURS]
     if args.concurrency is None:
         args.concurrency = [1, 8] if shared or args.shape else [1, 4, 16, 32]
+        if args.workload == "ttft":
+            args.concurrency = [1, 16]
     if args.shape:
         args.model_name = args.shape
         if args.memory_at not in args.concurrency:
@@ -796,6 +955,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("the server 'today' needs --baseline-tree")
     args.cpus = len(os.sched_getaffinity(0))
     args.load_average = os.getloadavg()
+    args.started = datetime.datetime.now(datetime.UTC)
     return args
 
 
@@ -807,6 +967,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     print(f"[bench-peers] {cpu_line()}", flush=True)
+    if args.workload in ("threads", "ttft"):
+        run = run_threads if args.workload == "threads" else run_ttft
+        section = run(args)
+        print("\n" + section)
+        previous = args.results.read_text() if args.results.is_file() else ""
+        heading = section.splitlines()[0]
+        args.results.write_text(replace_section(previous, heading, section))
+        print(f"[bench-peers] wrote the section {heading[3:]!r} of {args.results}")
+        return 0
     measured: dict[str, Measured] = {}
     pp512 = 0.0
     ggufs: dict[str, Path] = {}

@@ -176,3 +176,34 @@ def test_a_shape_section_has_a_column_per_gguf_and_the_kv_cache() -> None:
     assert "| 8 | 22.0 | 21.0 | 40.0 | 1.82x | 1.90x |" in section
     assert "4096 tokens of 192 KiB (768 MiB; ours `--max-cache-tokens 4096`)" in flat
     assert kv_bytes_per_token("smollm2-1.7b") == 192 * 1024
+
+
+def test_the_threads_workload_measures_our_server_in_turns(
+    tiny_gptq_dir: Path, tmp_path: Path
+) -> None:
+    """`--workload threads --servers ours`: two of our servers (1 and 2 threads) up at once,
+    measured in turns, and each round's T2/T1 in the section."""
+    results = tmp_path / "RESULTS.md"
+    command = [
+        sys.executable, "-m", "load.bench_peers", "--workload", "threads", "--servers", "ours",
+        "--gptq-dir", str(tiny_gptq_dir), "--rounds", "2", "--min-requests", "1",
+        "--max-tokens", "4", "--results", str(results), "--log-dir", str(tmp_path),
+        "--ready-timeout", "120", "--speculative-off",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = results.read_text()
+    assert "## Threads side by side" in text
+    assert "our speculation off" in text
+    row = next(line for line in text.splitlines() if line.startswith("| ours |"))
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert float(cells[1]) > 0 and float(cells[2]) > 0  # T=1 and T=2 tok/s
+    assert cells[5].count(",") == 1  # two rounds, two paired ratios
+
+
+def test_in_turns_workloads_default_their_levels() -> None:
+    from load.bench_peers import parse_args
+
+    assert parse_args(["--workload", "ttft"]).concurrency == [1, 16]
+    threads = parse_args(["--workload", "threads", "--shape", "smollm2-1.7b"])
+    assert threads.thread_counts == [1, 2] and threads.llama_ctx == 4096
