@@ -55,7 +55,7 @@ def _head(major: int, value: int) -> bytes:
 @functools.lru_cache(maxsize=1 << 18)
 def _uint(value: int) -> bytes:
     """An unsigned integer's encoding, kept: a block's token ids repeat (a vocabulary's worth at
-    most), and these bytes are most of a block's encoding (54 -> 17 us a block of 16)."""
+    most), and these bytes are most of a block's encoding."""
     return _head(0, value)
 
 

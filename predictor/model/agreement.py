@@ -40,8 +40,8 @@ def greedy_sequences(
     Chat turns through the tokenizer's chat template; without one (a base model), plain text.
 
     The prompts are answered in one left-padded batch: each of the `new_tokens` steps reads the
-    weights once for all of them (2.4 s against 9.3 s one by one for SmolLM2 in fp32, 2 Zen 5
-    cores, and the same tokens: tests/model/test_evaluate.py). A row's answer ends at its first
+    weights once for all of them, with the same tokens as one by one
+    (tests/model/test_evaluate.py). A row's answer ends at its first
     end-of-sequence token, as a generate call of its own would stop there.
     """
     import torch

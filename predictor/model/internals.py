@@ -26,9 +26,9 @@ that fails naming the item when a gptqmodel upgrade changes what we rely on.
    block_update.py compiles the method's source with that line widened to the CPU.
 6. PACK_EXTENSION_OFF: `PackableQuantLinear.pack_block` (each quantized module's qweight and
    qzeros) JIT-compiles a C++ torch extension at its first call on a machine
-   (`pack_block_cpu`, into ~/.cache/gptqmodel: 35-40 s of one core on a 2-core Xeon) unless
-   the environment variable PACK_EXTENSION_OFF names is set to "1"; then it packs with torch
-   (about 0.6 s more for all of SmolLM2's modules, the same bits). env.py sets it.
+   (`pack_block_cpu`, into ~/.cache/gptqmodel: tens of seconds of a core) unless the
+   environment variable PACK_EXTENSION_OFF names is set to "1"; then it packs with torch
+   (a little slower for a small model, the same bits). env.py sets it.
 """
 
 from __future__ import annotations

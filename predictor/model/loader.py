@@ -274,7 +274,7 @@ def dequantize_linears(model: Any) -> None:
     """Replace every GPTQLinear by an nn.Linear holding its dequantized weight, in place.
 
     Each Linear is made on the meta device and given its weight: no random initialisation of
-    weights that are overwritten at once (1.0 s of SmolLM2's 3.0 s, Xeon, 2 threads)."""
+    weights that are overwritten at once (a third of the expansion's time)."""
     dtype = model.get_input_embeddings().weight.dtype
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -40,8 +40,8 @@ class Cached(NamedTuple):
 def cache_key(
     reference: Path, texts: Mapping[str, Path], settings: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """What the reference's figures depend on, as plain JSON values (hashing SmolLM2's fp32
-    weights takes about 0.4 s)."""
+    """What the reference's figures depend on, as plain JSON values (the weights hashed,
+    not their figures recomputed)."""
     files = sorted(
         [entry.name, entry.stat().st_size, _digest(entry)]
         for pattern in ("*.safetensors", "*.bin", "config.json", "tokenizer.json")

@@ -7,7 +7,7 @@ prompt chunks attend through `prefill` in all three.
 Torch's path is the runner's where the native kernel does not apply (not bf16, no compiler,
 `--attention torch`) or cannot (Gemma 2's soft-capped scores, Gemma 3's sliding-window layers,
 which it has no masks for). Decode rows: one query each, plain batched matmuls over each row's
-gathered keys and values (bf16 SDPA with one query measured 6x slower here), the query heads
+gathered keys and values (bf16 SDPA with one query is slower), the query heads
 grouped by the kv head they share (GQA), kv heads leading so the gathered keys and values are
 multiplied where they lie. Prompt chunks: SDPA, or the same product in fp32 where scores are
 capped (SDPA cannot cap).

@@ -2,7 +2,7 @@
 
 TorchAtenLinear (gptqmodel's CPU kernel, torch's `_weight_int4pack_mm_for_cpu`) reorders every
 input by `ret_idx` before the matmul, even when the checkpoint has no act-order and the order is
-the identity (210 gathers a step for SmolLM2: measured 6-8 ms of a 16-row step). And q, k, v
+the identity (a gather per projection, every step). And q, k, v
 (and gate, up) read the same input in three (two) calls. `Int4Linear` calls a kernel directly,
 with the output columns of several such layers side by side, so a layer's q, k and v are one
 call, and gate and up another: 7 kernel calls a layer become 4.

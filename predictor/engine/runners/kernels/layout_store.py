@@ -1,6 +1,6 @@
 """The native kernels' weight layouts kept on disk, beside the autotune's choices: a restart maps
 each layer's layout (int4_matmul.c's, the head's int8 copy) from a file instead of unpacking
-GPTQ's words and repacking them (at the 1.7B shape 3.8 s of a 10 s restart on a quiet Xeon).
+GPTQ's words and repacking them (most of a restart's kernel set-up at 1.7B shapes).
 
 A file is named by everything its bytes depend on: the weights as loaded (`fingerprint`: a
 checksum of every 16 KB of their words, so the same checkpoint copied anew, as KServe's storage
@@ -31,7 +31,7 @@ BLOCK_WORDS = 4096  # a checksum per 16 KB of words
 
 def fingerprint(tensors: Sequence[torch.Tensor | None], *facts: object) -> str:
     """A digest of the tensors' bytes (a 64-bit sum per block of BLOCK_WORDS 32-bit words, the
-    sums hashed: one read of the weights, ~0.1 s a GB) and of `facts` (shapes, kernel, source)."""
+    sums hashed: one read of the weights) and of `facts` (shapes, kernel, source)."""
     digest = hashlib.blake2b(repr(facts).encode(), digest_size=16)
     for tensor in tensors:
         if tensor is None:

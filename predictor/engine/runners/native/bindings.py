@@ -7,12 +7,11 @@ ctypes learns every function they export from one table, `PROTOTYPES`.
 torch has no CPU op that attends from a paged cache: the runner's torch path gathers every
 decode row's keys and values into a padded copy (one `index_select` a layer) and multiplies
 3-row matrices in batched bf16 matmuls, where each small matrix costs more in dispatch than in
-arithmetic. The C kernel reads each row's blocks where they lie. Measured for SmolLM2's shapes
-(9 heads, 3 KV heads, head_dim 64), one layer, 1 thread, gather included: 1 row of 150 tokens
-9 us against 97 us; 16 rows 125 us against 308; 16 rows of 400 tokens 380 against 896.
+arithmetic. The C kernel reads each row's blocks where they lie (load/RESULTS.md, "The decode
+step", has the figures).
 
 It is compiled once per process and model shape with the system C compiler (`$CC`, else the
-first of cc, gcc, g++, clang), about 0.3 s, into a temporary file; where no compiler works the
+first of cc, gcc, g++, clang), into a temporary file; where no compiler works the
 runner keeps its torch path (`--attention torch` forces it). No torch here: the runner passes
 tensors' addresses (or tensors, to `DecodeAttention`, which reads their addresses).
 
@@ -224,14 +223,13 @@ def _build(
     cache_dir: Path | None = None,
 ) -> ctypes.CDLL:
     """`source` compiled with FLAGS and these -D constants and loaded (predictor.toolchain:
-    the first of `variants` that compiles; with a `cache_dir`, kept there for next time:
-    int4_matmul.c takes seconds).
+    the first of `variants` that compiles; with a `cache_dir`, kept there for next time).
 
     Loaded as a PyDLL: calls keep the GIL. A CDLL call releases and retakes it, and a step makes
     ~300 such calls; in the server the event loop's thread takes the GIL at each release and the
-    step thread waits up to a switch interval to get it back (measured: C=16 238 tok/s against
-    412 with torch's kernels, though the step alone was faster). These kernels take
-    microseconds; nothing else needs the GIL meanwhile."""
+    step thread waits up to a switch interval to get it back (served tokens/s fell below torch's
+    kernels', though the step alone was faster). These kernels take microseconds; nothing else
+    needs the GIL meanwhile."""
     return toolchain.build(
         source, FLAGS, defines, variants, cache_dir, loader=ctypes.PyDLL, headers=[HEADER]
     )
