@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 attention = None if shape is None else (*shape, settings.cache.kv_block_size)
                 build_in_background(library_cache(model.autotune_dir), attention)
             loaded = load_checkpoint(
-                model_dir, model.device, threads=1, kernel=model.kernel, served=True
+                model_dir, model.device, threads=1, kernel=model.loader_kernel, served=True
             )
         startup.mark("load")
     except CheckpointError as exc:

@@ -233,7 +233,11 @@ def _sleep(
             return NullRunner(vocab, allocator.num_blocks, allocator.block_size, max_rows=256)
         model = settings.model
         again = load_checkpoint(
-            model_dir, model.device, threads=model.torch_threads, kernel=model.kernel, served=True
+            model_dir,
+            model.device,
+            threads=model.torch_threads,
+            kernel=model.loader_kernel,
+            served=True,
         )
         runner = _cpu_runner(again.model, again.device, settings, allocator, invariant)
         if offload is not None:

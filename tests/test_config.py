@@ -140,8 +140,10 @@ def test_kernel_forces_a_runner_kernel_and_the_autotune_cache_is_a_folder() -> N
     settings = Settings.from_sources(["--kernel", "native_i8_avx2", "--autotune-cache", ""], {})
     assert settings.model.kernel == "native_i8_avx2" and settings.model.autotune_dir is None
     assert Settings().model.autotune_dir == Path(Settings().model.autotune_cache)
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="--kernel must be one of auto, autotune"):
         Settings.from_sources(["--kernel", "fastest"], {})
+    loads = Settings.from_sources(["--loader-kernel", "dequantized"], {})
+    assert loads.model.loader_kernel == "dequantized" and loads.model.kernel == "auto"
 
 
 def test_the_default_thread_count_leaves_one_core_to_serving(

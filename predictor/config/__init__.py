@@ -26,6 +26,7 @@ from predictor.config.flags import (
     OTLP_PROTOCOLS,
     PAYLOAD_MODES,
     REASONING_PARSERS,
+    RUNNER_KERNELS,
     SPECULATIVE,
     TOOL_CALL_PARSERS,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "LOADER_KERNELS",
     "NATIVE_ISAS",
     "NATIVE_KERNELS",
+    "RUNNER_KERNELS",
     "OTEL_ENV",
     "OTLP_PROTOCOLS",
     "PAYLOAD_MODES",

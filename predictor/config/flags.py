@@ -9,11 +9,12 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-# GPTQ kernels the loader can use: gptqmodel's own choice, the CPU kernels gptqmodel offers (as
-# its backend names) and the weights dequantized at load into plain Linear layers. Not offered:
+# GPTQ kernels the loader can use (--loader-kernel): gptqmodel's own choice, the CPU kernels
+# gptqmodel offers (as its backend names) and the weights dequantized at load into plain Linear
+# layers. Not offered:
 # gptq_torch_fused (gptqmodel 7.6.0), whose logits on an asymmetric checkpoint (the default
 # recipe) are off by up to 33 against TorchAtenLinear and the dequantized weights (checked here).
-# Then the kernels of the runner's fused projections (TorchAtenLinear's weights): "auto" lets
+# Then the kernels of the runner's fused projections (--kernel): "auto" lets
 # the autotune choose per row count; a name from FUSED_KERNELS forces that one: torch's int4 op,
 # the weights expanded to bf16 and prepacked for oneDNN, or int4_matmul.c with fp32 or int8
 # activations (the widest instruction set, or the one named; engine/runners/native/bindings.py).
@@ -25,7 +26,8 @@ NATIVE_KERNELS = tuple(
     f"native_{act}{isa}" for act in ("f32", "i8") for isa in ("", *(f"_{i}" for i in NATIVE_ISAS))
 )
 FUSED_KERNELS = ("int4_op", "prepacked_bf16", *NATIVE_KERNELS)
-KERNELS = (*LOADER_KERNELS, AUTOTUNE, *FUSED_KERNELS)
+RUNNER_KERNELS = ("auto", AUTOTUNE, *FUSED_KERNELS)  # --kernel: the runner's matmuls
+KERNELS = (*LOADER_KERNELS, AUTOTUNE, *FUSED_KERNELS)  # load_checkpoint's `kernel`: either
 # how decode rows attend: on a CPU native (runners/native/bindings.py) or torch; on a GPU triton
 # (engine/runners/cuda/triton_ops.py) or torch; auto: native on a CPU, measured on a GPU
 ATTENTION = ("auto", "native", "torch", "triton")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from predictor.config.flags import (
     ATTENTION,
-    KERNELS,
     LOADER_KERNELS,
     REASONING_PARSERS,
+    RUNNER_KERNELS,
     TOOL_CALL_PARSERS,
     option,
 )
@@ -55,17 +55,20 @@ class ModelSettings:
     )
     kernel: str = option(
         "auto",
-        "how the GPTQ Linear layers run: auto (the kernel the checkpoint's build chose "
-        "where its served gate chose one, else gptqmodel's choice; on a CPU its int4 "
-        "layers fused, each matmul run by the kernel a short autotune measured fastest for the "
-        "step's rows), autotune (auto without the build's choice), a gptqmodel backend"
-        f" ({', '.join(LOADER_KERNELS[1:-1])}), dequantized "
-        "(expanded once at load into plain Linear layers of the model's dtype: the same "
-        "numbers, 4x the weight memory), or one kernel for every fused projection: int4_op "
-        "(torch's), prepacked_bf16 (oneDNN), native_f32 / native_i8 "
-        "(runners/native/int4_matmul.c, fp32 or int8 activations, the widest instruction set; "
-        "_avx2, _avx512, ... names one)",
-        choices=KERNELS,
+        "the runner's kernel for its fused int4 projections: auto (the kernel the "
+        "checkpoint's build chose where its served gate chose one, else for each matmul the "
+        "one a short autotune measured fastest for the step's rows), autotune (auto without "
+        "the build's choice), or one for every projection: int4_op (torch's), prepacked_bf16 "
+        "(oneDNN), native_f32 / native_i8 (runners/native/int4_matmul.c, fp32 or int8 "
+        "activations, the widest instruction set; _avx2, _avx512, ... names one)",
+    )
+    loader_kernel: str = option(
+        "auto",
+        "how the checkpoint's GPTQ layers are loaded: auto (GPTQ's tensors as stored where the "
+        "runner fuses every projection, else gptqmodel's choice), a gptqmodel backend"
+        f" ({', '.join(LOADER_KERNELS[1:-1])}), or dequantized (expanded once at load into "
+        "plain Linear layers of the model's dtype: the same numbers, 4x the weight memory)",
+        choices=LOADER_KERNELS,
     )
     attention: str = option(
         "auto",
@@ -151,8 +154,15 @@ class ModelSettings:
             raise ValueError(
                 f"--attention must be one of {', '.join(ATTENTION)}, not {self.attention!r}"
             )
-        if self.kernel not in KERNELS:
-            raise ValueError(f"--kernel must be one of {', '.join(KERNELS)}, not {self.kernel!r}")
+        if self.kernel in LOADER_KERNELS[1:]:  # the flag named both once
+            raise ValueError(
+                f"--kernel {self.kernel} is how the checkpoint loads: --loader-kernel "
+                f"{self.kernel} (--kernel is the runner's: {', '.join(RUNNER_KERNELS)})"
+            )
+        if self.kernel not in RUNNER_KERNELS:
+            raise ValueError(
+                f"--kernel must be one of {', '.join(RUNNER_KERNELS)}, not {self.kernel!r}"
+            )
         if self.reasoning_parser not in ("", *REASONING_PARSERS) or self.reasoning_budget < -1:
             raise ValueError(
                 f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)} (or empty), "

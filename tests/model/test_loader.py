@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from predictor.config import KERNELS, LOADER_KERNELS, Settings
+from predictor.config import LOADER_KERNELS, RUNNER_KERNELS, Settings
 from predictor.engine.runners.cpu import ModelRunner
 from predictor.engine.step import StepRow
 from predictor.errors import CheckpointError
@@ -92,26 +92,32 @@ def test_every_kernel_gives_the_default_kernels_greedy_tokens(
 
 
 def test_default_kernel_is_a_known_kernel_and_a_bad_one_is_refused(tiny_gptq_dir: Path) -> None:
-    assert Settings().model.kernel in KERNELS
-    assert (
-        Settings.from_sources([], {"PREDICTOR_KERNEL": "gptq_torch"}).model.kernel == "gptq_torch"
-    )
-    with pytest.raises(ValueError, match="--kernel must be one of auto, gptq_torch_aten"):
+    assert Settings().model.kernel in RUNNER_KERNELS
+    assert Settings().model.loader_kernel in LOADER_KERNELS
+    loads = Settings.from_sources([], {"PREDICTOR_LOADER_KERNEL": "gptq_torch"})
+    assert loads.model.loader_kernel == "gptq_torch"
+    with pytest.raises(ValueError, match="--kernel must be one of auto, autotune, int4_op"):
         Settings.from_sources([], {"PREDICTOR_KERNEL": "marlin"})
     with pytest.raises(CheckpointError, match="unknown kernel 'marlin' \\(choose one of auto"):
         load_checkpoint(tiny_gptq_dir, device="cpu", kernel="marlin")
 
 
 def test_server_names_a_bad_kernel_and_exits(tiny_gptq_dir: Path) -> None:
+    """--kernel is the runner's, --loader-kernel the loader's: a loader's kernel given to
+    --kernel (the one flag named both before) is refused naming the flag it belongs to."""
     code, output = run_predictor(["--model-dir", str(tiny_gptq_dir), "--kernel", "fast"])
+    assert code == 2 and "--kernel must be one of auto, autotune, int4_op" in output
+    code, output = run_predictor(["--model-dir", str(tiny_gptq_dir), "--kernel", "dequantized"])
+    assert code == 2 and "--loader-kernel dequantized" in output
+    code, output = run_predictor(["--model-dir", str(tiny_gptq_dir), "--loader-kernel", "fast"])
     assert code == 2
-    assert "argument --kernel: invalid choice: 'fast' (choose from 'auto', 'gptq_torch_aten'" in (
-        output
-    )
+    assert "argument --loader-kernel: invalid choice: 'fast' (choose from 'auto'" in output
 
 
 def test_server_serves_with_the_kernel_it_was_given(tiny_gptq_dir: Path) -> None:
-    with ServerProcess.start(tiny_gptq_dir, "tiny", extra=["--kernel", "dequantized"]) as srv:
+    with ServerProcess.start(
+        tiny_gptq_dir, "tiny", extra=["--loader-kernel", "dequantized"]
+    ) as srv:
         body = {"text_input": "The capital of France is", "parameters": {"max_tokens": 4}}
         r = httpx.post(f"{srv.base_url}/v2/models/tiny/generate", json=body, timeout=60)
         log = srv.log()

@@ -1,6 +1,6 @@
 """An adapter trained with peft (a few steps, rank 8, on the tiny model) and served: the server's
 greedy tokens are those of peft's merged model in this process. The model is served on the fp32
-path (`--kernel dequantized`: the GPTQ weights expanded into plain Linear layers, which is also
+path (`--loader-kernel dequantized`: the GPTQ weights expanded into plain Linear layers, which is also
 what peft adapts here), so the two differ only in the order of fp32 sums."""
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_a_peft_trained_adapter_serves_the_merged_models_tokens(
     merged = PeftModel.from_pretrained(base, adapter).merge_and_unload().eval()
     expected = greedy(merged, prompt, 16)
     assert expected != base_tokens  # the training moved the model
-    extra = ["--kernel", "dequantized", "--lora-modules", f"trained={adapter}"]
+    extra = ["--loader-kernel", "dequantized", "--lora-modules", f"trained={adapter}"]
     with ServerProcess.start(tiny_gptq_dir, "tiny", extra=extra) as server:
         served = {}
         for model in ("tiny", "trained"):
