@@ -141,22 +141,7 @@ class ResponseEncoder:
         (before the answer's items), its `response.reasoning_text.delta` events."""
         if not text:
             return []
-        events: list[Event] = []
-        item = self._open
-        if item is None or item.kind != "reasoning":
-            events += self._close()
-            item = self._add(_Item("reasoning", _id("rs")))
-            events.append(self._added_event(item))
-            events.append(
-                self._event(
-                    ResponseContentPartAddedEvent,
-                    "response.content_part.added",
-                    item_id=item.id,
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    part=_thought(""),
-                )
-            )
+        item, events = self._opened("reasoning", "rs", _thought(""))
         item.text += text
         events.append(
             self._event(
@@ -202,23 +187,31 @@ class ResponseEncoder:
 
     # -- items ----------------------------------------------------------------------------------
 
-    def _content(self, text: str) -> list[Event]:
-        events: list[Event] = []
+    def _opened(
+        self, kind: Literal["message", "reasoning"], prefix: str, part: Any
+    ) -> tuple[_Item, list[Event]]:
+        """The open item if it is of `kind`; else the open one closed and a new one added with
+        its first content part (`part`, empty): the item and the events that say so."""
         item = self._open
-        if item is None or item.kind != "message":
-            events += self._close()
-            item = self._add(_Item("message", _id("msg")))
-            events.append(self._added_event(item))
-            events.append(
-                self._event(
-                    ResponseContentPartAddedEvent,
-                    "response.content_part.added",
-                    item_id=item.id,
-                    output_index=len(self.items) - 1,
-                    content_index=0,
-                    part=_part(""),
-                )
+        if item is not None and item.kind == kind:
+            return item, []
+        events = self._close()
+        item = self._add(_Item(kind, _id(prefix)))
+        events.append(self._added_event(item))
+        events.append(
+            self._event(
+                ResponseContentPartAddedEvent,
+                "response.content_part.added",
+                item_id=item.id,
+                output_index=len(self.items) - 1,
+                content_index=0,
+                part=part,
             )
+        )
+        return item, events
+
+    def _content(self, text: str) -> list[Event]:
+        item, events = self._opened("message", "msg", _part(""))
         if not text:
             return events
         item.text += text
