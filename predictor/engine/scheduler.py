@@ -284,7 +284,7 @@ class Scheduler:
                     request.output_ids[-1:],
                     logits=True,
                     adapter=request.adapter,
-                )  # fmt: skip
+                )
             )
             budget -= 1
         schedule.decode_rows = len(schedule.rows)
@@ -301,7 +301,7 @@ class Scheduler:
                     True,
                     len(tokens) - 1,
                     request.adapter,
-                )  # fmt: skip
+                )
             )
             budget -= len(tokens)
         schedule.verify_rows = len(verifying)
@@ -321,7 +321,7 @@ class Scheduler:
                     sample_next,
                     request.scoring,
                     adapter=request.adapter,
-                )  # fmt: skip
+                )
             )
 
     def _drafts(self, decoding: list[Request], budget: int) -> dict[int, list[int]]:
