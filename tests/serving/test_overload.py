@@ -92,7 +92,12 @@ def test_full_queue_gets_429_and_resource_exhausted_at_once(small: ServerProcess
 
 
 def test_request_timeout_parameter(small: ServerProcess) -> None:
-    body = {"text_input": "Go", "parameters": {"max_tokens": 500, "timeout": 0.2}}
+    # no drafts: the tiny model repeats one token, whose drafts can make 500 tokens inside the
+    # timeout on a fast CPU (seen in CI); one token a step, they take seconds
+    body = {
+        "text_input": "Go",
+        "parameters": {"max_tokens": 500, "timeout": 0.2, "speculative": False},
+    }
     r = httpx.post(f"{small.base_url}/v2/models/tiny/generate", json=body, timeout=30)
     assert r.status_code == 200, r.text
     details = r.json()["details"]
