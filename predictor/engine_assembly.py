@@ -201,6 +201,7 @@ def _cpu_runner(
             batch_invariant=invariant,
             copies_after_ready=True,  # ready sooner; many-row steps at speed soon after
             lora=settings.lora.served,
+            copy_budget=settings.model.copy_budget,
         )
     except ValueError as exc:  # a forced kernel this CPU cannot run
         raise CheckpointError(str(exc)) from exc

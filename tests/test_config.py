@@ -480,6 +480,18 @@ def test_tool_call_parser_takes_the_served_formats_by_vllms_names() -> None:
     assert Settings.from_sources(argv, {}).model.tool_call_parser == "llama3_json"
 
 
+def test_the_copies_budget_is_read_and_checked() -> None:
+    assert Settings().model.copy_budget == 10**9  # 1 GB by default
+    assert (
+        Settings.from_sources(["--max-weight-copies-gb", "0.5"], {}).model.copy_budget == 5 * 10**8
+    )
+    env = {"PREDICTOR_MAX_WEIGHT_COPIES_GB": "0"}
+    assert Settings.from_sources([], env).model.copy_budget == 0
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="--max-weight-copies-gb"):
+            Settings(ModelSettings(max_weight_copies_gb=bad)).check()
+
+
 def test_sleep_flags_are_read_and_checked() -> None:
     settings = Settings.from_sources(["--sleep-idle-seconds", "30", "--enable-sleep-mode"], {})
     assert settings.model.sleep_idle_seconds == 30.0 and settings.model.enable_sleep_mode

@@ -78,6 +78,13 @@ class ModelSettings:
         "compiles on a CPU, the faster measured at start on a GPU",
         choices=ATTENTION,
     )
+    max_weight_copies_gb: float = option(
+        1.0,
+        "GB (10^9 bytes) the kernels may keep in copies of the weights besides the 4-bit ones "
+        "(a bf16 expansion of a projection; lm_head's int8 or fp32 copy), each only where the "
+        "autotune measured it 15%% faster than a kernel without one; past the budget the copies "
+        "that save the least time per byte go first (0: none; a forced --kernel is not bound)",
+    )
     autotune_cache: str = option(
         str(Path.home() / ".cache" / "gptq-predictor"),
         "folder of the kernel autotune's cached choices, the compiled kernels "
@@ -137,6 +144,11 @@ class ModelSettings:
         return Path(self.autotune_cache) if self.autotune_cache else None
 
     @property
+    def copy_budget(self) -> int:
+        """--max-weight-copies-gb in bytes."""
+        return int(self.max_weight_copies_gb * 1e9)
+
+    @property
     def torch_threads(self) -> int:
         """--threads, or the CPUs this process may use (`container_cpus`: a container's CPU limit,
         not the node's cores) less SERVING_CORES, at least one: the event loop, HTTP and gRPC
@@ -172,6 +184,8 @@ class ModelSettings:
             raise ValueError(
                 "--batch-invariant false: determinism is always on (docs/engine.md, Determinism)"
             )
+        if not self.max_weight_copies_gb >= 0:  # NaN too
+            raise ValueError("--max-weight-copies-gb must be 0 or more")
         if self.sleep_idle_seconds < 0:
             raise ValueError("--sleep-idle-seconds must not be negative (0: never)")
 

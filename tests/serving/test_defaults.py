@@ -9,6 +9,7 @@ stream and a whole answer are the same tokens, and `speculative: false` changes 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -229,3 +230,5 @@ def test_the_defaults_are_served(default_server: ServerProcess) -> None:
     assert len(chosen) >= 2, log[-3000:]  # the fused projections' shapes and lm_head
     for line in chosen:
         assert line.count(" rows ") == 1, line  # one kernel at every row count
+    held = re.search(r"kernels' copies of the weights: (\d+) MB \(budget (\d+) MB\)", log)
+    assert held is not None and int(held[1]) <= int(held[2]) == 1000, log[-3000:]

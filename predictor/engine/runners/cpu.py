@@ -53,6 +53,7 @@ class ModelRunner:
         batch_invariant: bool = True,
         copies_after_ready: bool = False,
         lora: bool = False,
+        copy_budget: int | None = None,
     ) -> None:
         """`attention`: how decode rows attend. "native": the C kernel of bindings.py,
         reading the paged cache in place (CPU, bf16); "torch": a gather and batched matmuls;
@@ -75,6 +76,9 @@ class ModelRunner:
         `copies_after_ready`: the kernels that hold a bf16 copy of the weights are built on a
         thread of their own once `bind_thread` returns (autotune.py, `defer_copies`): a server
         is ready seconds sooner, its many-row steps slower until they are built.
+
+        `copy_budget`: bytes the kernels' copies of the weights may keep in all (bf16
+        expansions, lm_head's int8 or fp32 copy; kernels/copies.py); None: no bound.
 
         `lora`: adapters will be served (--lora-modules, --allow-runtime-lora): the autotune
         also times LoRA's kernel modes (lora/tune.py)."""
@@ -106,6 +110,7 @@ class ModelRunner:
             autotune_cache,
             copies_after_ready,
             release_model_weights,
+            copy_budget,
         )
         self._fused = self.kernels.fused  # per layer: its fused int4 projections, or None
         # what differs between the families (family.py)

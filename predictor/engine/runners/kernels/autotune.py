@@ -33,6 +33,7 @@ from predictor.engine.runners.kernels.autotune_cache import (
     source_digest,
     write_cache,
 )
+from predictor.engine.runners.kernels.copies import held_bytes, is_copy, pick, within_budget
 from predictor.engine.runners.kernels.head_linear import head_candidates
 from predictor.engine.runners.kernels.int4_linear import Int4Linear, Kernel
 from predictor.engine.runners.kernels.invariance import ROWWISE, row_invariant, rowwise
@@ -42,7 +43,8 @@ from predictor.engine.runners.native import bindings as native
 logger = logging.getLogger(__name__)
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # fewest rows of each bucket; the last takes any more
-VERSION = 7  # of the cache file's contents and the choosing rule (7: a lone kernel timed)
+VERSION = 8  # of the cache file's contents and the choosing rule (8: the copies' margin in
+# one kernel for every row count too)
 ALL_LAYERS_UP_TO = 8  # rows: up to here every sampled layer is timed (memory-bound steps)
 FEW_LAYERS = 4  # past it, this many
 # The layers of a shape timed: all of them up to this many bytes of 4-bit weights (8x a core's
@@ -55,12 +57,6 @@ REPEATS = 3  # timed passes per figure; the fastest counts (the machine is share
 # than the fastest finished one at that row count: its remaining passes could not make it win
 # (nor come within COPY_MARGIN of the winner). Candidates run fastest first, by the last bucket.
 CUT = 2.0
-# Kernels that hold a copy of the weights besides the 4-bit ones (a bf16 expansion: 4x the
-# int4 bytes; lm_head's fp32, prepacked or int8 copy) win a bucket only this much faster than
-# the best kernel without one (or with one a smaller bucket already holds): a policy on memory,
-# not a speed measured anywhere.
-COPIES = ("prepacked_bf16", "fp32", "int8_")  # names, or prefixes of names
-COPY_MARGIN = 1.15
 
 
 def _groups(linears: Sequence[Int4Linear], names: Sequence[str]) -> dict[str, list[Int4Linear]]:
@@ -81,6 +77,7 @@ def tune(
     invariant: bool = False,
     defer_copies: bool = False,
     layouts: LayoutStore | None = None,
+    copy_budget: int | None = None,
 ) -> tuple[Choices, Kernel, list[Deferred]]:
     """Choose and install a plan on every layer of `linears` (named by kind: qkv, o, ...), and
     the lm_head kernel; returns the choices, the head's per-bucket dispatcher and what was
@@ -92,7 +89,8 @@ def tune(
     of the weights (`lean`), to be completed by `complete` (the runner: after the server is
     ready, on a thread of its own). At 1.7B shapes the bf16 copies are 3.4 GB, most of a
     restart's 20 s; a step meanwhile runs its rows on the kernel of the bucket below.
-    `layouts`: where the head's int8 copy is kept on disk (the layers carry their own)."""
+    `layouts`: where the head's int8 copy is kept on disk (the layers carry their own).
+    `copy_budget`: bytes the copies of the weights may keep in all (copies.py; None: no bound)."""
     groups = _groups(linears, names)
     heads = head_candidates(head, layouts)
     if invariant:
@@ -119,6 +117,17 @@ def tune(
         choices = write_cache(
             cache_dir, key, identity, _measure(groups, heads, head_name, forced, invariant)
         )
+    sizes = {key: (*group[0].shape[:2], len(group)) for key, group in groups.items()}
+    if weight is not None:
+        sizes[head_name] = (int(weight.shape[0]), int(weight.shape[1]), 1)
+    if copy_budget is not None:
+        for dropped in within_budget(choices, sizes, copy_budget, invariant):
+            logger.info("autotune: %s dropped: past the copies' budget", dropped)
+    logger.info(
+        "kernels' copies of the weights: %.0f MB (budget %s)",
+        held_bytes(choices, sizes) / 1e6,
+        "none" if copy_budget is None else f"{copy_budget / 1e6:.0f} MB",
+    )
     defer = defer_copies and not invariant
     deferred: list[Deferred] = []
     for name, group in groups.items():
@@ -152,7 +161,7 @@ def lean(plan: list[tuple[int, str]]) -> list[tuple[int, str]]:
     their rows run on the kernel below them."""
     kept: list[tuple[int, str]] = []
     for rows, name in plan:
-        if kept and (_copy(name) or name == kept[-1][1]):
+        if kept and (is_copy(name) or name == kept[-1][1]):
             continue
         kept.append((rows, name))
     return kept
@@ -273,7 +282,6 @@ def _buckets(
     """The fastest of `kernels` (each a list: one per layer) at each bucket's first row count;
     `single`: the one kernel that is fastest over all buckets (the least sum of its times
     relative to each bucket's fastest), for every row count."""
-    plan: list[tuple[int, str]] = []
     figures: dict[str, dict[str, float]] = {}
     order = list(kernels)  # one alone is timed too: its figures are the steps' costs
     # (`step_cost`; speculation's policy drafts only where they pay)
@@ -284,23 +292,7 @@ def _buckets(
             timed[name] = _time(kernels[name], x, CUT * min(timed.values(), default=math.inf))
         order.sort(key=lambda name: timed[name])
         figures[str(rows)] = {name: round(seconds * 1e3, 4) for name, seconds in timed.items()}
-        best = min(timed, key=lambda name: timed[name])
-        # a copy already held for a smaller bucket costs nothing more
-        held = {name for _, name in plan}
-        lean = [name for name in timed if not _copy(name) or name in held]
-        if best not in lean and lean:
-            runner_up = min(lean, key=lambda name: timed[name])
-            if timed[runner_up] < timed[best] * COPY_MARGIN:
-                best = runner_up
-        if not plan or plan[-1][1] != best:
-            plan.append((rows, best))
-    if single:
-
-        def relative(name: str) -> float:
-            return sum(t[name] / min(t.values()) for t in figures.values() if name in t)
-
-        return [(1, min(kernels, key=relative))], figures
-    return plan, figures
+    return pick(figures, single), figures
 
 
 @torch.inference_mode()
@@ -320,10 +312,6 @@ def _time(layers: list[Kernel], x: torch.Tensor, cut: float = math.inf) -> float
         if best * scale > cut:
             break
     return best * scale
-
-
-def _copy(name: str) -> bool:
-    return name.startswith(COPIES)
 
 
 def log_choices(choices: Choices, threads: int) -> None:

@@ -38,12 +38,13 @@ class Matmuls:
         cache_dir: Path | None = None,
         copies_after_ready: bool = False,
         release_model_weights: bool = False,
+        copy_budget: int | None = None,
     ) -> None:
         """Fuse or prepack every layer now; `forced` (--kernel: auto or one of
         config.FUSED_KERNELS) is checked here, on the loading thread, so a kernel that cannot
         run on this machine is refused before the server starts (ValueError). The other
         arguments are the runner's (cpu.py: `batch_invariant`, `autotune_cache`,
-        `copies_after_ready`, `release_model_weights`)."""
+        `copies_after_ready`, `release_model_weights`, `copy_budget`)."""
         self._layers, self._lm_head = layers, lm_head
         fused = [fuse_layer(layer) for layer in layers]
         self.fused = [f if isinstance(f, FusedLayer) else None for f in fused]
@@ -79,6 +80,7 @@ class Matmuls:
         self._cache_dir = cache_dir
         self._copies_after_ready = copies_after_ready
         self._release_model_weights = release_model_weights
+        self._copy_budget = copy_budget
         self._completing: threading.Thread | None = None
         self.head: Kernel | None = None  # lm_head's dispatcher, once chosen
         self.choices: autotune.Choices | None = None
@@ -104,7 +106,9 @@ class Matmuls:
         4. the invariance filter (--batch-invariant, the default): only the kernels whose rows
            come out the same whatever rows share the call, one for every row count; a kernel
            called a row at a time where none is;
-        5. the deferred copies (--kernel-copies-after-ready, and not invariant): the buckets
+        5. the copies' budget (--max-weight-copies-gb, copies.py): past it, the copies that
+           buy the least time per byte give way to the best kernels without one;
+        6. the deferred copies (--kernel-copies-after-ready, and not invariant): the buckets
            whose kernels hold a copy of the weights start on the kernel below them and are
            completed on a thread of their own once this returns.
 
@@ -132,6 +136,7 @@ class Matmuls:
             self.invariant,
             self._copies_after_ready,
             layouts,
+            self._copy_budget,
         )
         if layouts is not None:
             read, written = layouts.read_bytes / 1e9, layouts.written_bytes / 1e9
