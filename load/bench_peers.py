@@ -586,7 +586,7 @@ def run_ttft(args: argparse.Namespace) -> str:
                 ))  # fmt: skip
     spec = "off (`--speculative off`)" if args.speculative_off else "on (the default)"
     lines = [
-        TTFT_SECTION, "",
+        TTFT_SECTION + (f" at the {args.shape} shape" if args.shape else ""), "",
         *_in_turns_preamble(args, gguf),
         *alternated.wrap(
             f"A pass sends C requests at once (at least {args.min_requests} in all), each with a "
