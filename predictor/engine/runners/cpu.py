@@ -111,6 +111,7 @@ class ModelRunner:
             copies_after_ready,
             release_model_weights,
             copy_budget,
+            self._embed,
         )
         self._fused = self.kernels.fused  # per layer: its fused int4 projections, or None
         # what differs between the families (family.py)
@@ -236,7 +237,7 @@ class ModelRunner:
         self._lora_step = None
         if any(row.adapter for row in rows):  # adapters' rows: their tokens by slot
             self._lora_step = self.lora.step([row.adapter for row in rows for _ in row.tokens])
-        hidden = self._embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
+        hidden = self.kernels.embed(ids)  # [N, hidden]: the step's tokens as one flat sequence
         ropes = self._attend.tables(hidden, plan.positions)  # per layer
         return self._logits(self._run_layers(hidden, plan, ropes), plan)
 

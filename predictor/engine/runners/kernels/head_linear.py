@@ -97,21 +97,46 @@ class _Int8Table:
                     self.layouts.write(key, packed)
         return compiled
 
-    def kernel(self, int8: bool) -> Kernel:
+    def kernel(self, int8: bool) -> Int8Head:
         compiled = self.build()
-        packed, n, k, matmul = self.packed, self.n, self.k, compiled.matmul
-        assert packed is not None
-        flag = int(int8)
+        assert self.packed is not None
+        return Int8Head(self.packed, self.n, self.k, compiled, int(int8))
 
-        def run(x: torch.Tensor) -> torch.Tensor:  # [R, k] -> [R, n] fp32 logits
-            x = x.to(torch.bfloat16).contiguous()
-            rows = x.shape[0]
-            out = torch.empty((rows, n), dtype=torch.float32)
-            threads = torch.get_num_threads()
-            if rows and matmul(
-                x.data_ptr(), rows, k, packed.data_ptr(), n, out.data_ptr(), n, threads, flag
-            ):
-                raise MemoryError("int8_matmul: no memory for its activation buffer")
-            return out
 
-        return run
+class Int8Head:
+    """lm_head through int8_matmul.c (`__call__`: [R, k] -> [R, n] fp32 logits), and the
+    table's rows read back (`rows`): a tied embedding's lookup, once the bf16 table is let go."""
+
+    def __init__(
+        self, packed: torch.Tensor, n: int, k: int, compiled: native.Int8Kernel, flag: int
+    ) -> None:
+        self.packed, self.n, self.k, self._compiled, self._flag = packed, n, k, compiled, flag
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16).contiguous()
+        rows = x.shape[0]
+        out = torch.empty((rows, self.n), dtype=torch.float32)
+        threads = torch.get_num_threads()
+        if rows and self._compiled.matmul(
+            x.data_ptr(),
+            rows,
+            self.k,
+            self.packed.data_ptr(),
+            self.n,
+            out.data_ptr(),
+            self.n,
+            threads,
+            self._flag,
+        ):
+            raise MemoryError("int8_matmul: no memory for its activation buffer")
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as the table holds them (code x scale), bf16 [len(ids), k]."""
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((len(ids), self.k), dtype=torch.bfloat16)
+        if self._compiled.rows(
+            self.packed.data_ptr(), self.n, self.k, ids.data_ptr(), len(ids), out.data_ptr()
+        ):
+            raise IndexError(f"int8_rows: a token id past the table's {self.n} rows")
+        return out

@@ -19,6 +19,7 @@ from predictor.config import FUSED_KERNELS
 from predictor.engine.runners import memory
 from predictor.engine.runners.kernels import autotune
 from predictor.engine.runners.kernels.dense_linear import prepack_layer
+from predictor.engine.runners.kernels.head_linear import Int8Head
 from predictor.engine.runners.kernels.int4_codes import release_repack_tables
 from predictor.engine.runners.kernels.int4_linear import FusedLayer, Kernel, fuse_layer, projections
 from predictor.engine.runners.kernels.layout_store import LayoutStore
@@ -39,13 +40,18 @@ class Matmuls:
         copies_after_ready: bool = False,
         release_model_weights: bool = False,
         copy_budget: int | None = None,
+        embedding: Any = None,
     ) -> None:
         """Fuse or prepack every layer now; `forced` (--kernel: auto or one of
         config.FUSED_KERNELS) is checked here, on the loading thread, so a kernel that cannot
         run on this machine is refused before the server starts (ValueError). The other
         arguments are the runner's (cpu.py: `batch_invariant`, `autotune_cache`,
-        `copies_after_ready`, `release_model_weights`, `copy_budget`)."""
+        `copies_after_ready`, `release_model_weights`, `copy_budget`). `embedding`: the
+        model's input embedding, which `embed` looks up (from the head's int8 table where a
+        tied head serves from it and the model's own weights are let go)."""
         self._layers, self._lm_head = layers, lm_head
+        self._embedding = embedding
+        self.embed: Kernel = embedding  # ids [N] -> hidden [N, width]
         fused = [fuse_layer(layer) for layer in layers]
         self.fused = [f if isinstance(f, FusedLayer) else None for f in fused]
         reasons = sorted({f for f in fused if isinstance(f, str)})
@@ -211,6 +217,29 @@ class Matmuls:
         )
         self._release()
 
+    def _serve_head_from_int8(self) -> None:
+        """Where lm_head serves every row count from its int8 copy, its bf16 weight is no
+        longer read: let go, and where it is the input embedding's too (a tied head, a plain
+        `nn.Embedding`), the embedding looks its rows up in the int8 table instead (a Q8_0
+        rounding of each row, as llama.cpp's quantized token embeddings)."""
+        head, weight = self.head, getattr(self._lm_head, "weight", None)
+        if not isinstance(head, Int8Head) or weight is None:
+            return
+        table = getattr(self._embedding, "weight", None)
+        tied = table is not None and table.data_ptr() == weight.data_ptr()
+        if tied and type(self._embedding) is not torch.nn.Embedding:
+            return  # e.g. Gemma's scaled embedding: kept as it is
+        freed = weight.numel() * weight.element_size()
+        memory.empty_tensors(self._lm_head)
+        if tied:
+            self.embed = head.rows
+            memory.empty_tensors(self._embedding)
+        logger.info(
+            "memory: lm_head%s served from its int8 table, %.0f MB of bf16 weights let go",
+            " and the tied embedding" if tied else "",
+            freed / 2**20,
+        )
+
     def _release(self) -> None:
         """Let go of what serving no longer reads: the tables and scratch the kernels were built
         with, the model's own 4-bit tensors, the mapped checkpoint's pages."""
@@ -220,6 +249,7 @@ class Matmuls:
                 qkv, o, gate_up, down = projections(layer)
                 for module in (*qkv, o, *gate_up, down):
                     memory.empty_tensors(module)
+            self._serve_head_from_int8()
         advised = memory.release_mapped_weights()
         memory.trim_heap()
         logger.info("memory: %.0f MiB of mapped weights released, heap trimmed", advised / 2**20)
