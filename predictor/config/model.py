@@ -81,9 +81,10 @@ class ModelSettings:
     max_weight_copies_gb: float = option(
         1.0,
         "GB (10^9 bytes) the kernels may keep in copies of the weights besides the 4-bit ones "
-        "(a bf16 expansion of a projection; lm_head's int8 or fp32 copy), each only where the "
-        "autotune measured it 15%% faster than a kernel without one; past the budget the copies "
-        "that save the least time per byte go first (0: none; a forced --kernel is not bound)",
+        "(a bf16 expansion of a projection; lm_head's fp32 or prepacked copy), each only where "
+        "the autotune measured it 15%% faster than a kernel without one; past the budget the "
+        "copies that save the least time per byte go first (0: none; a forced --kernel is not "
+        "bound; lm_head's int8 table is no copy where it replaces the head's bf16 weights)",
     )
     autotune_cache: str = option(
         str(Path.home() / ".cache" / "gptq-predictor"),

@@ -78,6 +78,7 @@ def tune(
     defer_copies: bool = False,
     layouts: LayoutStore | None = None,
     copy_budget: int | None = None,
+    head_replaced: bool = False,
 ) -> tuple[Choices, Kernel, list[Deferred]]:
     """Choose and install a plan on every layer of `linears` (named by kind: qkv, o, ...), and
     the lm_head kernel; returns the choices, the head's per-bucket dispatcher and what was
@@ -90,7 +91,8 @@ def tune(
     ready, on a thread of its own). At 1.7B shapes the bf16 copies are 3.4 GB, most of a
     restart's 20 s; a step meanwhile runs its rows on the kernel of the bucket below.
     `layouts`: where the head's int8 copy is kept on disk (the layers carry their own).
-    `copy_budget`: bytes the copies of the weights may keep in all (copies.py; None: no bound)."""
+    `copy_budget`: bytes the copies of the weights may keep in all (copies.py; None: no bound);
+    `head_replaced`: the head's int8 table, where it serves, replaces the head's own weights."""
     groups = _groups(linears, names)
     heads = head_candidates(head, layouts)
     if invariant:
@@ -120,12 +122,13 @@ def tune(
     sizes = {key: (*group[0].shape[:2], len(group)) for key, group in groups.items()}
     if weight is not None:
         sizes[head_name] = (int(weight.shape[0]), int(weight.shape[1]), 1)
+    replaced = {head_name} if head_replaced else set()
     if copy_budget is not None:
-        for dropped in within_budget(choices, sizes, copy_budget, invariant):
+        for dropped in within_budget(choices, sizes, copy_budget, invariant, replaced):
             logger.info("autotune: %s dropped: past the copies' budget", dropped)
     logger.info(
         "kernels' copies of the weights: %.0f MB (budget %s)",
-        held_bytes(choices, sizes) / 1e6,
+        held_bytes(choices, sizes, replaced) / 1e6,
         "none" if copy_budget is None else f"{copy_budget / 1e6:.0f} MB",
     )
     defer = defer_copies and not invariant

@@ -7,12 +7,13 @@ first)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from predictor.engine.runners.kernels.autotune_cache import Choices
 from predictor.engine.runners.kernels.invariance import ROWWISE
 
-COPIES = ("prepacked_bf16", "fp32", "int8_")  # names, or prefixes of names
+INT8 = "int8_"  # lm_head's int8 tables (head_linear.py)
+COPIES = ("prepacked_bf16", "fp32", INT8)  # names, or prefixes of names
 # A copy wins a bucket (or, one kernel for every row count, the sum over buckets of each
 # kernel's time relative to the bucket's fastest) only this much faster than the best kernel
 # without one (or with one a smaller bucket already holds): a policy on memory, not a speed
@@ -20,7 +21,7 @@ COPIES = ("prepacked_bf16", "fp32", "int8_")  # names, or prefixes of names
 COPY_MARGIN = 1.15
 # bytes a copy keeps per weight: bf16, fp32, and int8_matmul.c's layout (per 32 weights of a
 # row, 32 int8 codes and an fp32 scale: int8_bytes)
-BYTES_PER_WEIGHT = {"prepacked_bf16": 2.0, "fp32": 4.0, "int8_": 36 / 32}
+BYTES_PER_WEIGHT = {"prepacked_bf16": 2.0, "fp32": 4.0, INT8: 36 / 32}
 
 Plan = list[tuple[int, str]]
 Figures = Mapping[str, Mapping[str, float]]  # row count -> kernel -> ms a pass
@@ -37,14 +38,25 @@ def copy_bytes(name: str, n: int, k: int) -> int:
     return int(per * n * k)
 
 
-def plan_bytes(plan: Plan, n: int, k: int, count: int) -> int:
-    """Bytes of copies `plan` keeps over `count` matmuls of [n, k] (each copy kept once)."""
-    return count * sum(copy_bytes(name, n, k) for name in {name for _, name in plan})
+def plan_bytes(plan: Plan, n: int, k: int, count: int, replaces: bool = False) -> int:
+    """Bytes of copies `plan` keeps over `count` matmuls of [n, k] (each copy kept once);
+    `replaces`: an int8 table serving every row count takes the place of the weights (lm_head's,
+    matmuls.py): no copy then."""
+    names = {name for _, name in plan}
+    if replaces and all(name.removeprefix(ROWWISE).startswith(INT8) for name in names):
+        return 0
+    return count * sum(copy_bytes(name, n, k) for name in names)
 
 
-def held_bytes(choices: Choices, sizes: Mapping[str, tuple[int, int, int]]) -> int:
-    """Bytes the copies of `choices`' plans keep (`sizes`: as `within_budget`'s)."""
-    return sum(plan_bytes(plan, *sizes[key]) for key, plan in choices.plans.items() if key in sizes)
+def held_bytes(
+    choices: Choices, sizes: Mapping[str, tuple[int, int, int]], replaced: Collection[str] = ()
+) -> int:
+    """Bytes the copies of `choices`' plans keep (`sizes`, `replaced`: as `within_budget`'s)."""
+    return sum(
+        plan_bytes(plan, *sizes[key], key in replaced)
+        for key, plan in choices.plans.items()
+        if key in sizes
+    )
 
 
 def pick(
@@ -88,15 +100,24 @@ def _lean_best(names: set[str], cost: Callable[[str], float], held: set[str]) ->
 
 
 def within_budget(
-    choices: Choices, sizes: Mapping[str, tuple[int, int, int]], budget: int, single: bool
+    choices: Choices,
+    sizes: Mapping[str, tuple[int, int, int]],
+    budget: int,
+    single: bool,
+    replaced: Collection[str] = (),
 ) -> list[str]:
     """Change `choices.plans` so their copies keep at most `budget` bytes: the measured plans
     holding copies are replaced by their plans without (from the same figures) in the order of
     the time each copy saves per byte, least first, until the rest fit. `sizes`: per matmul,
-    its [n, k] and how many layers share its plan. Returns what was dropped, for the log; plans
-    with no figures (a forced --kernel) are left as they are."""
+    its [n, k] and how many layers share its plan; `replaced`: the matmuls whose int8 table,
+    where it serves every row count, takes the place of their own weights (no copy then).
+    Returns what was dropped, for the log; plans with no figures (a forced --kernel), or with
+    none of a kernel without a copy (lm_head's, where only its copies are row-invariant), are
+    left as they are."""
     held = {
-        key: plan_bytes(plan, *sizes[key]) for key, plan in choices.plans.items() if key in sizes
+        key: plan_bytes(plan, *sizes[key], key in replaced)
+        for key, plan in choices.plans.items()
+        if key in sizes
     }
     total = sum(held.values())
     dropping: list[tuple[float, str, Plan]] = []

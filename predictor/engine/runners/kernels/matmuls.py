@@ -143,6 +143,7 @@ class Matmuls:
             self._copies_after_ready,
             layouts,
             self._copy_budget,
+            self._release_model_weights and self._head_table_goes(),
         )
         if layouts is not None:
             read, written = layouts.read_bytes / 1e9, layouts.written_bytes / 1e9
@@ -217,18 +218,26 @@ class Matmuls:
         )
         self._release()
 
+    def _head_table_goes(self) -> bool:
+        """lm_head's bf16 weight can be let go once it serves from its int8 table: untied, or
+        tied to a plain `nn.Embedding` (which then reads its rows from that table)."""
+        weight = getattr(self._lm_head, "weight", None)
+        table = getattr(self._embedding, "weight", None)
+        if weight is None:
+            return False
+        tied = table is not None and table.data_ptr() == weight.data_ptr()
+        return not tied or type(self._embedding) is torch.nn.Embedding
+
     def _serve_head_from_int8(self) -> None:
         """Where lm_head serves every row count from its int8 copy, its bf16 weight is no
         longer read: let go, and where it is the input embedding's too (a tied head, a plain
         `nn.Embedding`), the embedding looks its rows up in the int8 table instead (a Q8_0
         rounding of each row, as llama.cpp's quantized token embeddings)."""
         head, weight = self.head, getattr(self._lm_head, "weight", None)
-        if not isinstance(head, Int8Head) or weight is None:
-            return
+        if not isinstance(head, Int8Head) or weight is None or not self._head_table_goes():
+            return  # e.g. tied to Gemma's scaled embedding: kept as it is
         table = getattr(self._embedding, "weight", None)
         tied = table is not None and table.data_ptr() == weight.data_ptr()
-        if tied and type(self._embedding) is not torch.nn.Embedding:
-            return  # e.g. Gemma's scaled embedding: kept as it is
         freed = weight.numel() * weight.element_size()
         memory.empty_tensors(self._lm_head)
         if tied:

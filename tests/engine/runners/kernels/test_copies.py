@@ -47,9 +47,12 @@ def test_what_each_copy_keeps() -> None:
     assert copies.copy_bytes(LEAN, 100, 64) == copies.copy_bytes("module", 100, 64) == 0
     plan = [(1, HEAD_COPY), (16, "fp32"), (32, HEAD_COPY)]
     assert copies.plan_bytes(plan, 100, 64, 3) == 3 * (100 * 64 * 36 // 32 + 4 * 100 * 64)
+    # a server's head served from its int8 table alone lets its bf16 weight go: no copy then
+    assert copies.plan_bytes([(1, HEAD_COPY)], 100, 64, 1, replaces=True) == 0
+    assert copies.plan_bytes(plan, 100, 64, 1, replaces=True) > 0
 
 
-def budgeted(budget: int) -> tuple[Choices, list[str]]:
+def budgeted(budget: int, replaced: tuple[str, ...] = ()) -> tuple[Choices, list[str]]:
     """Two matmuls holding copies: the head's saves 4x its time for 1.1 MB, the projections'
     1.3x for 6.4 MB; a forced one, no figures."""
     choices = Choices(
@@ -60,7 +63,7 @@ def budgeted(budget: int) -> tuple[Choices, list[str]]:
         },
     )
     sizes = {"qkv": (1000, 800, 4), "lm_head": (1000, 1000, 1), "o": (800, 800, 4)}
-    return choices, copies.within_budget(choices, sizes, budget, single=True)
+    return choices, copies.within_budget(choices, sizes, budget, single=True, replaced=replaced)
 
 
 def test_past_the_budget_the_copy_saving_least_per_byte_goes_first() -> None:
@@ -73,6 +76,8 @@ def test_past_the_budget_the_copy_saving_least_per_byte_goes_first() -> None:
     choices, dropped = budgeted(0)
     assert choices.plans["lm_head"] == [(1, "module")] and len(dropped) == 2
     assert choices.plans["o"] == [(1, COPY)]  # forced: no figures, not bound
+    choices, dropped = budgeted(0, replaced=("lm_head",))  # the int8 table is the head's own
+    assert choices.plans["lm_head"] == [(1, HEAD_COPY)] and len(dropped) == 1
 
 
 def test_tune_serves_the_budgeted_plans(tiny_gptq: Any, monkeypatch: pytest.MonkeyPatch) -> None:
