@@ -78,7 +78,7 @@ class ModelRunner:
         is ready seconds sooner, its many-row steps slower until they are built.
 
         `copy_budget`: bytes the kernels' copies of the weights may keep in all (bf16
-        expansions, lm_head's int8 or fp32 copy; kernels/copies.py); None: no bound.
+        expansions, lm_head's fp32 copy; kernels/copies.py); None: no bound.
 
         `lora`: adapters will be served (--lora-modules, --allow-runtime-lora): the autotune
         also times LoRA's kernel modes (lora/tune.py)."""

@@ -20,7 +20,7 @@ COPIES = ("prepacked_bf16", "fp32", INT8)  # names, or prefixes of names
 # measured anywhere.
 COPY_MARGIN = 1.15
 # bytes a copy keeps per weight: bf16, fp32, and int8_matmul.c's layout (per 32 weights of a
-# row, 32 int8 codes and an fp32 scale: int8_bytes)
+# row, 32 int8 codes, a bf16 scale and an int16 sum: int8_bytes)
 BYTES_PER_WEIGHT = {"prepacked_bf16": 2.0, "fp32": 4.0, INT8: 36 / 32}
 
 Plan = list[tuple[int, str]]

@@ -218,33 +218,35 @@ class Matmuls:
         )
         self._release()
 
+    def _tied(self) -> bool:
+        """lm_head's weight is the input embedding's table."""
+        weight = getattr(self._lm_head, "weight", None)
+        table = getattr(self._embedding, "weight", None)
+        return weight is not None and table is not None and table.data_ptr() == weight.data_ptr()
+
     def _head_table_goes(self) -> bool:
         """lm_head's bf16 weight can be let go once it serves from its int8 table: untied, or
         tied to a plain `nn.Embedding` (which then reads its rows from that table)."""
-        weight = getattr(self._lm_head, "weight", None)
-        table = getattr(self._embedding, "weight", None)
-        if weight is None:
+        if getattr(self._lm_head, "weight", None) is None:
             return False
-        tied = table is not None and table.data_ptr() == weight.data_ptr()
-        return not tied or type(self._embedding) is torch.nn.Embedding
+        return not self._tied() or type(self._embedding) is torch.nn.Embedding
 
     def _serve_head_from_int8(self) -> None:
         """Where lm_head serves every row count from its int8 copy, its bf16 weight is no
         longer read: let go, and where it is the input embedding's too (a tied head, a plain
         `nn.Embedding`), the embedding looks its rows up in the int8 table instead (a Q8_0
         rounding of each row, as llama.cpp's quantized token embeddings)."""
-        head, weight = self.head, getattr(self._lm_head, "weight", None)
-        if not isinstance(head, Int8Head) or weight is None or not self._head_table_goes():
+        head = self.head
+        if not isinstance(head, Int8Head) or not self._head_table_goes():
             return  # e.g. tied to Gemma's scaled embedding: kept as it is
-        table = getattr(self._embedding, "weight", None)
-        tied = table is not None and table.data_ptr() == weight.data_ptr()
+        tied, weight = self._tied(), self._lm_head.weight
         freed = weight.numel() * weight.element_size()
         memory.empty_tensors(self._lm_head)
         if tied:
             self.embed = head.rows
             memory.empty_tensors(self._embedding)
         logger.info(
-            "memory: lm_head%s served from its int8 table, %.0f MB of bf16 weights let go",
+            "memory: lm_head%s served from its int8 table, %.0f MiB of bf16 weights let go",
             " and the tied embedding" if tied else "",
             freed / 2**20,
         )
